@@ -1,0 +1,40 @@
+# make demo : create .venv, install linicl, run the main job (linicl verify -> results/verify.json)
+# make test : create .venv with the test extras, run the whole suite (notebooks included)
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+# Pinned versions of everything installed (see constraints.txt); `make lock` refreshes them.
+CONSTRAINTS = -c constraints.txt
+
+.PHONY: demo test venv venv-test bench notebooks lock clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.base: $(VENV)/bin/python pyproject.toml constraints.txt
+	$(PIP) install -q $(CONSTRAINTS) -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -q $(CONSTRAINTS) -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.base
+venv-test: $(VENV)/.test
+
+demo: venv
+	$(VENV)/bin/linicl verify --out results
+
+test: venv-test
+	$(PY) -m pytest
+
+bench: venv-test
+	$(PY) experiments/benchmarks/iclca_speed.py
+
+lock: venv-test
+	$(PIP) freeze --exclude-editable | grep -v '^linicl' > constraints.txt
+
+clean:
+	rm -rf $(VENV) results .pytest_cache .hypothesis

@@ -1,0 +1,19 @@
+"""linicl: the exact theory of in-context learning, in JAX/Flax.
+
+* ``ModelConfig``, ``Transformer``: the model zoo (linear and softmax attention).
+* ``linicl.iclca``: exact conversion of a prompt into linear-attention bias terms.
+* ``generate``: greedy and sampled decoding with a state or a KV cache.
+"""
+
+from linicl import iclca, kernels
+from linicl.config import PRESETS, ModelConfig, preset
+from linicl.errors import (ConfigError, DegenerateInputError, LiniclError, NotExactError,
+                           SequenceTooLongError)
+from linicl.generation import generate
+from linicl.nn import Transformer
+
+__version__ = "0.1.0"
+
+__all__ = ["ModelConfig", "PRESETS", "preset", "Transformer", "iclca", "kernels", "generate",
+           "LiniclError", "ConfigError", "NotExactError", "SequenceTooLongError",
+           "DegenerateInputError"]

@@ -1,0 +1,180 @@
+"""Model configuration: one frozen dataclass for every model in the zoo, and named tiny presets.
+
+The config is hashable (it is a static argument of jitted functions) and validated on construction, so
+that a bad option fails here with a message naming the field rather than deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+import jax.numpy as jnp
+
+from linicl.errors import ConfigError
+
+ATTENTION_KINDS = ("linear", "softmax")
+FEATURE_MAPS = ("elu+1", "relu", "identity", "taylor2")
+POSITIONS = ("none", "learned", "rope")
+NORMS = ("pre", "post")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+FORMS = ("auto", "parallel", "chunked", "recurrent")
+DTYPES = ("float32", "float64", "bfloat16")
+
+# Feature maps whose inner products phi(q).phi(k) are never negative, so that a normalised linear
+# attention has a positive denominator (up to the model's own epsilon).
+_NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2")
+
+
+def _choice(field: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"ModelConfig.{field} must be one of {choices}, got {value!r}")
+
+
+def _positive_int(field: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything that defines a model of the zoo.
+
+    Attributes:
+      vocab_size, d_model, n_layers, n_heads, d_ff, max_len: sizes. ``max_len`` bounds the positions a
+        model with learned positions can embed, and the length of a softmax decode cache.
+      attention: ``"linear"`` (exactly convertible) or ``"softmax"``.
+      feature_map: linear attention's phi: ``"elu+1"``, ``"relu"``, ``"identity"`` or ``"taylor2"``
+        (phi(q).phi(k) = 1 + s + s^2/2 with s = q.k/sqrt(d_head)).
+      normalize: divide by phi(q).z (Katharopoulos); ``False`` is the unnormalised linear attention of
+        the theory papers.
+      decay: ``None``, one gamma for every head, or one per head (RetNet-style), each in (0, 1].
+      positions: ``"none"``, ``"learned"`` absolute embeddings, or ``"rope"``. In linear attention the
+        rotation acts on the features phi(q), phi(k) of the numerator only; the normaliser uses the
+        unrotated features, so it stays positive and the model depends on t - i only.
+      norm: ``"pre"`` (with a final LayerNorm) or ``"post"`` LayerNorm blocks.
+      attn_eps: the epsilon inside a normalised linear attention's denominator. It is part of the
+        model, identical in the prompted and the converted model.
+      form: linear-attention kernel form; ``"auto"`` picks parallel for short and chunked for long
+        sequences.
+      trainable_bias: add zero-initialised trainable initial states (B, b) per layer and head to the
+        params (ICLCA Fig. 1).
+      dtype: parameter and computation dtype.
+    """
+
+    vocab_size: int = 64
+    d_model: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 64
+    max_len: int = 256
+    attention: str = "linear"
+    feature_map: str = "elu+1"
+    normalize: bool = True
+    decay: Union[None, float, Sequence[float]] = None
+    positions: str = "none"
+    norm: str = "pre"
+    activation: str = "gelu_tanh"
+    use_bias: bool = True
+    tie_embeddings: bool = True
+    rope_base: float = 10_000.0
+    ln_eps: float = 1e-5
+    attn_eps: float = 1e-6
+    form: str = "auto"
+    chunk_size: int = 64
+    trainable_bias: bool = False
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size"):
+            _positive_int(f, getattr(self, f))
+        for f, choices in (("attention", ATTENTION_KINDS), ("feature_map", FEATURE_MAPS),
+                           ("positions", POSITIONS), ("norm", NORMS), ("activation", ACTIVATIONS),
+                           ("form", FORMS), ("dtype", DTYPES)):
+            _choice(f, getattr(self, f), choices)
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
+                              f"n_heads ({self.n_heads})")
+        self._check_decay()
+        if self.attention == "linear" and self.normalize and self.feature_map not in _NONNEGATIVE_MAPS:
+            raise ConfigError(
+                f"ModelConfig.normalize=True needs a non-negative feature map {_NONNEGATIVE_MAPS}; "
+                f"{self.feature_map!r} can make phi(q).z zero or negative. Use normalize=False.")
+        if self.attention == "softmax" and (self.decay is not None or self.trainable_bias):
+            raise ConfigError("ModelConfig.decay and trainable_bias apply to attention='linear' only")
+        if self.positions == "rope" and self.head_dim < 2 and self.attention == "softmax":
+            raise ConfigError("ModelConfig.positions='rope' needs a head dimension of at least 2")
+
+    def _check_decay(self) -> None:
+        if self.decay is None:
+            return
+        if isinstance(self.decay, (int, float)) and not isinstance(self.decay, bool):
+            values = (float(self.decay),)
+        else:
+            values = tuple(float(g) for g in self.decay)
+            if len(values) != self.n_heads:
+                raise ConfigError(f"ModelConfig.decay has {len(values)} values; expected one float "
+                                  f"or one per head (n_heads={self.n_heads})")
+            object.__setattr__(self, "decay", values)  # lists -> tuple, so the config stays hashable
+        if not all(0.0 < g <= 1.0 for g in values):
+            raise ConfigError(f"ModelConfig.decay values must lie in (0, 1], got {self.decay}")
+
+    # ---------------------------------------------------------------- derived quantities
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def feature_dim(self) -> int:
+        """d_phi, the width of phi(k) and so of the state S: [d_phi, d_head]."""
+        from linicl.kernels.feature_maps import feature_dim
+        return feature_dim(self.feature_map, self.head_dim)
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    def decay_per_head(self) -> Optional[tuple]:
+        """gamma for each head, or None when the model has no decay."""
+        if self.decay is None:
+            return None
+        if isinstance(self.decay, tuple):
+            return self.decay
+        return (float(self.decay),) * self.n_heads
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """A one-line summary of the options that matter for exactness."""
+        parts = [self.attention, f"L{self.n_layers}", f"H{self.n_heads}", f"d{self.d_model}"]
+        if self.attention == "linear":
+            parts += [self.feature_map, "norm" if self.normalize else "unnorm"]
+            if self.decay is not None:
+                parts.append("decay=" + (f"{self.decay}" if not isinstance(self.decay, tuple)
+                                         else "per-head"))
+        parts += [f"pos={self.positions}", f"{self.norm}-LN"]
+        if self.trainable_bias:
+            parts.append("trainable-bias")
+        return " ".join(parts)
+
+
+PRESETS = {
+    # Tiny models for tests and examples: fast enough to compile in a second on a CPU.
+    "tiny-linear": ModelConfig(),
+    "tiny-linear-rope-decay": ModelConfig(positions="rope", decay=(0.9, 0.95, 0.99, 1.0)),
+    "tiny-linear-learned": ModelConfig(positions="learned", norm="post"),
+    "tiny-linear-unnormalized": ModelConfig(feature_map="identity", normalize=False),
+    "tiny-softmax": ModelConfig(attention="softmax", positions="learned"),
+    "tiny-softmax-rope": ModelConfig(attention="softmax", positions="rope"),
+    # The benchmark model of the foundation issue.
+    "bench-4x256": ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, d_ff=1024,
+                               max_len=32_768, positions="rope", decay=0.999),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A named preset, optionally with some fields replaced: ``preset("tiny-linear", dtype="float64")``."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

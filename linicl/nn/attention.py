@@ -1,0 +1,158 @@
+"""Multi-head causal attention as a Linen module: linear (with a state) or softmax (with a KV cache).
+
+Variable collections:
+* ``params``: ``q``, ``k``, ``v`` (DenseGeneral, kernel ``[d_model, heads, d_head]``), ``o`` (kernel
+  ``[heads, d_head, d_model]``); with ``cfg.trainable_bias``, ``S_bias: [heads, d_phi, d_head]`` and
+  ``z_bias: [heads, d_phi]``, zero-initialised.
+* ``iclca`` (linear attention only): ``S: [batch or 1, heads, d_phi, d_head]``, ``z: [batch or 1, heads,
+  d_phi]``, the state a prompt left behind. Read as the initial state when present; when the
+  collection is mutable, the final state is written back (re-based for rope), so one ``apply`` with
+  ``mutable=["iclca"]`` both converts a prompt and advances a decode.
+* ``cache`` (softmax attention only, when mutable): keys, values and their positions for decoding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from linicl.config import ModelConfig
+from linicl.errors import LiniclError
+from linicl.kernels import feature_maps
+from linicl.kernels.linear_attention import LinearState, linear_attention
+from linicl.kernels.positions import apply_rope
+from linicl.kernels.softmax_attention import softmax_attention
+
+ICLCA = "iclca"
+CACHE = "cache"
+_EMPTY_SLOT = jnp.iinfo(jnp.int32).max  # key position of an unfilled cache slot: later than any query
+
+
+def rebase_state(S: jax.Array, shift: int, base: float) -> jax.Array:
+    """Rotate the feature axis of ``S: [..., d_phi, d_v]`` by position ``-shift``.
+
+    A rope state holds features rotated to absolute positions; after ``shift`` tokens this moves it to
+    the frame in which the next token sits at position 0 (iclca.md, section 4).
+    """
+    return jnp.swapaxes(apply_rope(jnp.swapaxes(S, -1, -2), -shift, base), -1, -2)
+
+
+def _advancing(module: nn.Module, collection: str) -> bool:
+    """True when this call should write its state back: the collection is mutable and this is not
+    ``init`` (which makes every collection mutable but must not store the init tokens)."""
+    return module.is_mutable_collection(collection) and not module.is_initializing()
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """``x: f[batch, seq, d_model]``, ``positions: int[seq]`` -> ``f[batch, seq, d_model]``."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        dense = functools.partial(nn.DenseGeneral, use_bias=cfg.use_bias, dtype=dt, param_dtype=dt)
+        heads = (cfg.n_heads, cfg.head_dim)
+        # [batch, seq, heads, d_head] -> [batch, heads, seq, d_head]
+        q, k, v = (jnp.swapaxes(dense(heads, name=n)(x), 1, 2) for n in ("q", "k", "v"))
+        if cfg.attention == "linear":
+            o = self._linear(q, k, v, positions)
+        else:
+            o = self._softmax(q, k, v, positions)
+        return dense(cfg.d_model, axis=(-2, -1), name="o")(jnp.swapaxes(o, 1, 2))
+
+    # ------------------------------------------------------------------ linear attention
+    def _linear(self, q, k, v, positions):
+        cfg = self.cfg
+        phi = feature_maps.get(cfg.feature_map)
+        fq, fk = phi(q), phi(k)
+        q_den = k_den = None
+        if cfg.positions == "rope":
+            # Rotate the numerator features only; the normaliser keeps the unrotated (positive) ones.
+            q_den, k_den = fq, fk
+            fq, fk = (apply_rope(f, positions, cfg.rope_base) for f in (fq, fk))
+        state, bias = self._initial_state(q.shape[0])
+        o, final = linear_attention(fq, fk, v, state, q_den=q_den, k_den=k_den,
+                                    log_gamma=self._log_gamma(), normalize=cfg.normalize,
+                                    eps=cfg.attn_eps, form=cfg.form, chunk_size=cfg.chunk_size)
+        if _advancing(self, ICLCA):
+            self._store(final, bias, q.shape[2])
+        return o
+
+    def _log_gamma(self):
+        gammas = self.cfg.decay_per_head()
+        if gammas is None:
+            return None
+        return jnp.log(jnp.asarray(gammas, self.cfg.jnp_dtype))
+
+    def _initial_state(self, batch: int):
+        """(S0, z0) broadcast to the batch: the trainable bias (if any) plus the stored ICL state."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        F, H, dv = cfg.feature_dim, cfg.n_heads, cfg.head_dim
+        S, z = jnp.zeros((1, H, F, dv), dt), jnp.zeros((1, H, F), dt)
+        bias = None
+        if cfg.trainable_bias:
+            bias = LinearState(self.param("S_bias", nn.initializers.zeros, (H, F, dv), dt),
+                               self.param("z_bias", nn.initializers.zeros, (H, F), dt))
+            S, z = S + bias.S, z + bias.z
+        if self.has_variable(ICLCA, "S"):
+            S_icl, z_icl = self.get_variable(ICLCA, "S"), self.get_variable(ICLCA, "z")
+            if S_icl.shape[1:] != (H, F, dv) or z_icl.shape[1:] != (H, F):
+                raise LiniclError(
+                    f"variables['{ICLCA}'] of {self.path_str()} has S{tuple(S_icl.shape)}, "
+                    f"z{tuple(z_icl.shape)}; this model expects S[batch, {H}, {F}, {dv}], z[batch, {H}, {F}]")
+            if S_icl.shape[0] not in (1, batch):
+                raise LiniclError(
+                    f"variables['{ICLCA}'] holds a state for batch {S_icl.shape[0]} but the tokens "
+                    f"have batch {batch}; convert with a batch-1 prompt to serve any query batch")
+            S, z = S + S_icl.astype(dt), z + z_icl.astype(dt)
+        S = jnp.broadcast_to(S, (batch, H, F, dv))
+        z = jnp.broadcast_to(z, (batch, H, F))
+        return LinearState(S, z), bias
+
+    def _store(self, final: LinearState, bias, n_tokens: int):
+        S, z = final
+        if self.cfg.positions == "rope":
+            S = rebase_state(S, n_tokens, self.cfg.rope_base)
+        if bias is not None:  # the bias is added again on every call: store only the rest
+            S, z = S - bias.S, z - bias.z
+        self.put_variable(ICLCA, "S", S)
+        self.put_variable(ICLCA, "z", z)
+
+    def path_str(self) -> str:
+        return "/".join(self.scope.path) if self.scope is not None else "attention"
+
+    # ------------------------------------------------------------------ softmax attention
+    def _softmax(self, q, k, v, positions):
+        cfg = self.cfg
+        if cfg.positions == "rope":
+            q, k = (apply_rope(a, positions, cfg.rope_base) for a in (q, k))
+        k_pos = positions
+        decoding = _advancing(self, CACHE)
+        if decoding:
+            k, v, k_pos, overflow = self._update_cache(k, v, positions)
+        o = softmax_attention(q, k, v, positions, k_pos)
+        if decoding:
+            # Under jit a full cache cannot raise; make the overflow visible instead of wrong.
+            o = jnp.where(overflow, jnp.nan, o)
+        return o
+
+    def _update_cache(self, k, v, positions):
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        B, H, T, dh = k.shape
+        shape = (B, H, cfg.max_len, dh)
+        ck = self.variable(CACHE, "k", jnp.zeros, shape, dt)
+        cv = self.variable(CACHE, "v", jnp.zeros, shape, dt)
+        cpos = self.variable(CACHE, "k_pos", lambda: jnp.full((cfg.max_len,), _EMPTY_SLOT, jnp.int32))
+        idx = self.variable(CACHE, "index", lambda: jnp.zeros((), jnp.int32))
+        if ck.value.shape[0] != B:
+            raise LiniclError(f"the decode cache holds batch {ck.value.shape[0]}, tokens have batch {B}")
+        start = idx.value
+        overflow = start + T > cfg.max_len
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(dt), (0, 0, start, 0))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(dt), (0, 0, start, 0))
+        cpos.value = jax.lax.dynamic_update_slice(cpos.value, positions.astype(jnp.int32), (start,))
+        idx.value = start + T
+        return ck.value, cv.value, cpos.value, overflow

@@ -1,0 +1,63 @@
+"""The zoo's language model: ``Transformer(cfg)``, ``tokens int32[batch, seq] -> logits f[batch, seq, vocab]``.
+
+Positions: the first token of a call sits at ``offset`` (``variables["iclca"]["offset"]``, 0 when absent)
+plus, when decoding a softmax model, the number of tokens already in the cache. With
+``mutable=["iclca"]`` a call also advances ``offset`` for learned positions (rope and decay states are
+re-based instead, so their next token is always at position 0).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from linicl._validate import check_fits, check_tokens, take_rows
+from linicl.config import ModelConfig
+from linicl.nn.attention import CACHE, ICLCA, _advancing
+from linicl.nn.block import Block
+
+_EMBED_INIT = nn.initializers.normal(stddev=0.02)
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        check_tokens("tokens", tokens, cfg.vocab_size)
+        T = tokens.shape[1]
+        positions = self._positions(T)
+        embed = self.param("embed", _EMBED_INIT, (cfg.vocab_size, cfg.d_model), dt)
+        x = take_rows(embed, tokens)
+        if cfg.positions == "learned":
+            pos_embed = self.param("pos_embed", _EMBED_INIT, (cfg.max_len, cfg.d_model), dt)
+            x = x + take_rows(pos_embed, positions)[None]
+        for layer in range(cfg.n_layers):
+            x = Block(cfg, name=f"layers_{layer}")(x, positions)
+        if cfg.norm == "pre":
+            x = nn.LayerNorm(epsilon=cfg.ln_eps, dtype=dt, param_dtype=dt, name="ln_f")(x)
+        if cfg.tie_embeddings:
+            return x @ embed.T
+        return nn.Dense(cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=dt, name="unembed")(x)
+
+    def _positions(self, T: int) -> jax.Array:
+        """``int32[T]`` positions of this call's tokens; advances the position counters if mutable."""
+        cfg = self.cfg
+        offset = jnp.zeros((), jnp.int32)
+        if self.has_variable(ICLCA, "offset"):
+            offset = jnp.asarray(self.get_variable(ICLCA, "offset"), jnp.int32)
+        start = offset
+        if cfg.attention == "softmax" and _advancing(self, CACHE):
+            filled = self.variable(CACHE, "n_tokens", lambda: jnp.zeros((), jnp.int32))
+            start = offset + filled.value
+            check_fits("tokens", filled.value, T, cfg.max_len, "the decode cache")
+            filled.value = filled.value + T
+        if cfg.positions == "learned":
+            check_fits("tokens", start, T, cfg.max_len, "learned positions")
+        if _advancing(self, ICLCA):
+            self.put_variable(ICLCA, "offset", offset + T if cfg.positions == "learned" else offset)
+        return start + jnp.arange(T, dtype=jnp.int32)
