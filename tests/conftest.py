@@ -1,0 +1,26 @@
+"""Test session settings: float64 everywhere, hypothesis profiles.
+
+Profiles (``HYPOTHESIS_PROFILE``): ``ci`` (default; few derandomised examples, the suite stays within a
+few minutes on 2 cores), ``thorough`` (many random examples), ``dev`` (one or two examples).
+"""
+
+import os
+
+import jax
+
+# Before any array is created: the exactness claims are checked in float64.
+jax.config.update("jax_enable_x64", True)
+# Every hypothesis example compiles new shapes; XLA's optimisation passes dominate that time on a CPU
+# and change nothing we test (the identities hold for any evaluation order).
+jax.config.update("jax_disable_most_optimizations", True)
+# (Strict dtype promotion is not enabled: flax.linen.LayerNorm itself promotes float64 with float32.
+# That a float32 model stays float32 is tested directly instead.)
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               print_blob=True)
+settings.register_profile("ci", max_examples=10, derandomize=True, **_COMMON)
+settings.register_profile("dev", max_examples=2, derandomize=True, **_COMMON)
+settings.register_profile("thorough", max_examples=200, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,0 +1,111 @@
+"""Shared test helpers: error measures, random models, hypothesis strategies over configs."""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+import linicl
+from linicl.config import FEATURE_MAPS, NORMS, POSITIONS
+
+# Exact identities in float64: the two sides differ only by the order of floating-point sums over at
+# most a few hundred terms per layer, a handful of layers deep. Each rounding is <= 2^-53 = 1.1e-16
+# relative, so 1e-12 leaves room for ~10^4 accumulated roundings yet sits ~9 orders of magnitude below
+# any real error (a wrong position, a missing layer or head changes the output at O(1e-3) or more).
+EXACT_RTOL = 1e-12
+# What "far off" means for the baselines that show a test has power.
+BASELINE_MIN = 1e-3
+
+
+def rel_err(a, b) -> float:
+    """Normwise relative error max|a - b| / max|b| (infinity norm over every element)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.max(np.abs(b))
+    assert scale > 0, "reference is identically zero: the relative error is undefined"
+    return float(np.max(np.abs(a - b)) / scale)
+
+
+def tokens(seed: int, batch: int, length: int, vocab: int, low: int = 0) -> jax.Array:
+    """Random ids in [low, vocab)."""
+    return jax.random.randint(jax.random.PRNGKey(seed), (batch, length), low, vocab, dtype=jnp.int32)
+
+
+def prompt_and_query(seed: int, prompt_batch: int, n: int, batch: int, m: int, vocab: int):
+    """A prompt from the upper half of the vocabulary and a query from the lower half. Disjoint ids
+    keep the no-prompt baseline honest: a prompt that repeats the query's own token can leave a
+    position-free normalised attention unchanged (two equal keys and values average to one)."""
+    half = vocab // 2
+    return tokens(seed, prompt_batch, n, vocab, low=half), tokens(seed + 1, batch, m, half)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(model, method: str):
+    return jax.jit(getattr(model, method))
+
+
+def apply(model, variables, tokens):
+    """``model.apply`` under jit (one compile per model and shape; eager Linen is far slower)."""
+    return _jitted(model, "apply")(variables, tokens)
+
+
+def init(cfg: linicl.ModelConfig, seed: int = 0):
+    """A model and random variables. Trainable biases get random values (zero would test nothing),
+    with z_bias >= 0 so that normalised denominators stay positive."""
+    model = linicl.Transformer(cfg)
+    variables = _jitted(model, "init")(jax.random.PRNGKey(seed), jnp.zeros((1, 2), jnp.int32))
+    if cfg.trainable_bias:
+        key = jax.random.PRNGKey(seed + 1)
+
+        def perturb(path, x):
+            name = path[-1].key
+            if name == "S_bias":
+                return 0.3 * jax.random.normal(jax.random.fold_in(key, zlib.crc32(str(path).encode())), x.shape, x.dtype)
+            if name == "z_bias":
+                return jnp.abs(jax.random.normal(jax.random.fold_in(key, zlib.crc32(str(path).encode()) + 1), x.shape, x.dtype))
+            return x
+        variables = {**variables, "params": jax.tree_util.tree_map_with_path(perturb, variables["params"])}
+    return model, variables
+
+
+@st.composite
+def linear_configs(draw, max_layers: int = 3, max_len: int = 128, **fixed) -> linicl.ModelConfig:
+    """Random float64 linear-attention configs over every option that matters for exactness."""
+    n_heads = draw(st.sampled_from([1, 2, 3]))
+    feature_map = fixed.get("feature_map", draw(st.sampled_from(FEATURE_MAPS)))
+    head_dim = draw(st.sampled_from([2, 3, 4] if feature_map == "taylor2" else [2, 4, 6]))
+    if n_heads * head_dim < 4:  # LayerNorm of a 2-vector is +-1: a degenerate model
+        head_dim = 4
+    normalize = feature_map != "identity" and draw(st.booleans())
+    decay = draw(st.one_of(st.none(), st.floats(0.5, 1.0),
+                           st.lists(st.floats(0.5, 1.0), min_size=n_heads, max_size=n_heads)))
+    values = dict(
+        vocab_size=draw(st.integers(6, 40)), d_model=n_heads * head_dim,
+        n_layers=draw(st.integers(1, max_layers)), n_heads=n_heads, d_ff=draw(st.sampled_from([4, 8, 16])),
+        max_len=max_len, attention="linear", feature_map=feature_map, normalize=normalize, decay=decay,
+        positions=draw(st.sampled_from(POSITIONS)), norm=draw(st.sampled_from(NORMS)),
+        activation=draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "silu"])),
+        use_bias=draw(st.booleans()), tie_embeddings=draw(st.booleans()),
+        form=draw(st.sampled_from(["auto", "parallel", "chunked", "recurrent"])),
+        chunk_size=draw(st.sampled_from([2, 3, 5, 16])), trainable_bias=draw(st.booleans()),
+        dtype="float64")
+    values.update(fixed)
+    return linicl.ModelConfig(**values)
+
+
+@st.composite
+def any_configs(draw, **fixed) -> linicl.ModelConfig:
+    """Linear or softmax float64 configs."""
+    if draw(st.booleans()):
+        return draw(linear_configs(**fixed))
+    n_heads = draw(st.sampled_from([1, 2, 3]))
+    values = dict(vocab_size=draw(st.integers(6, 40)), d_model=n_heads * draw(st.sampled_from([4, 6])),
+                  n_layers=draw(st.integers(1, 3)), n_heads=n_heads, d_ff=8, max_len=128,
+                  attention="softmax", positions=draw(st.sampled_from(POSITIONS)),
+                  norm=draw(st.sampled_from(NORMS)), dtype="float64")
+    values.update(fixed)
+    return linicl.ModelConfig(**values)

@@ -1,0 +1,150 @@
+"""The ICLCA contract: a converted model with no prompt equals the prompted model, exactly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import linicl
+from linicl import iclca
+from helpers import (BASELINE_MIN, EXACT_RTOL, apply, init, linear_configs, prompt_and_query, rel_err,
+                     tokens)
+
+
+def prompted(model, variables, prompt, query):
+    """Logits of the query positions when the model reads [prompt; query]."""
+    n = prompt.shape[1]
+    prompt = jnp.broadcast_to(prompt, (query.shape[0], n))
+    return apply(model, variables, jnp.concatenate([prompt, query], axis=1))[:, n:]
+
+
+@given(cfg=linear_configs(), n=st.integers(1, 40), m=st.integers(1, 12), batch=st.integers(1, 3),
+       shared_prompt=st.booleans(), seed=st.integers(0, 2**16))
+def test_converted_equals_prompted(cfg, n, m, batch, shared_prompt, seed):
+    model, variables = init(cfg, seed)
+    prompt, query = prompt_and_query(seed + 1, 1 if shared_prompt else batch, n, batch, m, cfg.vocab_size)
+    reference = prompted(model, variables, prompt, query)
+
+    converted = iclca.convert(model, variables, prompt)
+    assert rel_err(apply(model, converted, query), reference) <= EXACT_RTOL
+    # Power: without the converted state the same query is far from the prompted model.
+    assert rel_err(apply(model, variables, query), reference) >= BASELINE_MIN
+
+
+@given(cfg=linear_configs(max_layers=2), n1=st.integers(1, 20), n2=st.integers(1, 20),
+       seed=st.integers(0, 2**16))
+def test_converting_twice_equals_converting_the_concatenation(cfg, n1, n2, seed):
+    model, variables = init(cfg, seed)
+    p1, query = prompt_and_query(seed + 1, 1, n1, 2, 5, cfg.vocab_size)
+    p2 = tokens(seed + 3, 1, n2, cfg.vocab_size)
+    twice = iclca.convert(model, iclca.convert(model, variables, p1), p2)
+    once = iclca.convert(model, variables, jnp.concatenate([p1, p2], axis=1))
+    for (S2, z2), (S1, z1) in zip(iclca.bias_terms(twice), iclca.bias_terms(once)):
+        assert rel_err(S2, S1) <= EXACT_RTOL and rel_err(z2, z1) <= EXACT_RTOL
+    assert rel_err(apply(model, twice, query), prompted(model, variables, jnp.concatenate([p1, p2], 1), query)) <= EXACT_RTOL
+    # Power: the second prompt alone is not the same model.
+    only_p2 = iclca.convert(model, variables, p2)
+    assert rel_err(apply(model, only_p2, query), apply(model, once, query)) >= BASELINE_MIN
+
+
+@given(cfg=linear_configs(max_layers=2), n=st.integers(1, 20), m=st.integers(1, 6),
+       n_new=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_generation_from_converted_equals_generation_from_prompted(cfg, n, m, n_new, seed):
+    model, variables = init(cfg, seed)
+    prompt, query = prompt_and_query(seed + 1, 1, n, 3, m, cfg.vocab_size)
+    converted = iclca.convert(model, variables, prompt)
+    full = jnp.concatenate([jnp.broadcast_to(prompt, (3, n)), query], axis=1)
+    greedy = linicl.generate(model, converted, query, n_new)
+    np.testing.assert_array_equal(greedy, linicl.generate(model, variables, full, n_new))
+    key = jax.random.PRNGKey(seed)
+    sampled = linicl.generate(model, converted, query, n_new, key=key, temperature=0.7)
+    np.testing.assert_array_equal(sampled, linicl.generate(model, variables, full, n_new, key=key, temperature=0.7))
+    assert sampled.shape == (3, n_new) and sampled.dtype == jnp.int32
+
+
+def test_gradients_through_the_converted_model_equal_the_prompted_gradients():
+    """d loss / d params is the same whether the prompt is read or stored (the state is recomputed
+    from the params inside the differentiated function)."""
+    cfg = linicl.preset("tiny-linear-rope-decay", dtype="float64", n_layers=2)
+    model, variables = init(cfg)
+    prompt, query = tokens(1, 1, 9, cfg.vocab_size), tokens(2, 2, 4, cfg.vocab_size)
+
+    def loss_converted(params):
+        v = iclca.convert(model, {"params": params}, prompt)
+        return jnp.sum(jax.nn.log_softmax(model.apply(v, query))[..., 0])
+
+    def loss_prompted(params):
+        return jnp.sum(jax.nn.log_softmax(prompted(model, {"params": params}, prompt, query))[..., 0])
+
+    g_conv = jax.jit(jax.grad(loss_converted))(variables["params"])
+    g_prompt = jax.jit(jax.grad(loss_prompted))(variables["params"])
+    flat_c, flat_p = jax.tree.leaves(g_conv), jax.tree.leaves(g_prompt)
+    assert rel_err(np.concatenate([x.ravel() for x in flat_c]), np.concatenate([x.ravel() for x in flat_p])) <= EXACT_RTOL
+
+
+def test_convert_jits_and_vmaps_without_retracing():
+    cfg = linicl.preset("tiny-linear", dtype="float64")
+    model, variables = init(cfg)
+    fn = iclca._absorb_fn(model)
+    for seed in range(3):  # same shapes, different prompts: one trace
+        iclca.convert(model, variables, tokens(seed, 1, 11, cfg.vocab_size))
+    assert fn._cache_size() == 1
+    # vmap over a stack of prompts: one converted state per prompt.
+    prompts = jnp.stack([tokens(s, 1, 6, cfg.vocab_size) for s in range(4)])
+    states = jax.vmap(lambda p: iclca.convert(model, variables, p)["iclca"])(prompts)
+    S0 = iclca.convert(model, variables, prompts[2])["iclca"]["layers_1"]["attn"]["S"]
+    assert rel_err(states["layers_1"]["attn"]["S"][2], S0) <= EXACT_RTOL
+
+
+def test_trainable_bias_is_zero_initialised_and_receives_gradients():
+    cfg = linicl.preset("tiny-linear", dtype="float64", trainable_bias=True)
+    model = linicl.Transformer(cfg)
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))
+    attn = variables["params"]["layers_0"]["attn"]
+    assert attn["S_bias"].shape == (cfg.n_heads, cfg.feature_dim, cfg.head_dim)
+    assert not np.any(attn["S_bias"]) and not np.any(attn["z_bias"])
+    # With a zero bias the model is the plain model.
+    plain = linicl.Transformer(cfg.replace(trainable_bias=False))
+    plain_params = jax.tree_util.tree_map_with_path(lambda p, x: x, variables["params"])
+    for layer in range(cfg.n_layers):
+        plain_params[f"layers_{layer}"]["attn"] = {k: v for k, v in plain_params[f"layers_{layer}"]["attn"].items()
+                                                   if not k.endswith("_bias")}
+    q = tokens(3, 2, 7, cfg.vocab_size)
+    np.testing.assert_array_equal(apply(model, variables, q), apply(plain, {"params": plain_params}, q))
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, q)[..., 1])))(variables["params"])
+    assert np.any(grads["layers_0"]["attn"]["S_bias"]) and np.any(grads["layers_1"]["attn"]["z_bias"])
+
+
+def test_float32_conversion_is_exact_to_float32_rounding():
+    """float32: eps = 1.2e-7. Prompted and converted models add the same ~n terms per state in a
+    different order, so we expect errors of a few hundred eps at most; 1e-4 leaves a margin while the
+    no-prompt baseline stays ~10^4 times larger."""
+    cfg = linicl.preset("tiny-linear-rope-decay", dtype="float32")
+    model, variables = init(cfg)
+    prompt, query = prompt_and_query(1, 1, 200, 4, 16, cfg.vocab_size)
+    reference = prompted(model, variables, prompt, query)
+    converted = iclca.convert(model, variables, prompt)
+    assert converted["iclca"]["layers_0"]["attn"]["S"].dtype == jnp.float32
+    assert apply(model, converted, query).dtype == jnp.float32
+    assert rel_err(apply(model, converted, query), reference) <= 1e-4
+    assert rel_err(apply(model, variables, query), reference) >= BASELINE_MIN
+
+
+def test_learned_positions_keep_the_offset():
+    cfg = linicl.preset("tiny-linear-learned", dtype="float64")
+    model, variables = init(cfg)
+    converted = iclca.convert(model, variables, tokens(1, 1, 13, cfg.vocab_size))
+    assert iclca.offset_of(converted) == 13
+    assert iclca.offset_of(iclca.convert(model, converted, tokens(2, 1, 4, cfg.vocab_size))) == 17
+    rope = linicl.preset("tiny-linear-rope-decay", dtype="float64")
+    m2, v2 = init(rope)
+    assert iclca.offset_of(iclca.convert(m2, v2, tokens(1, 1, 13, rope.vocab_size))) == 0  # re-based
+
+
+def test_state_size_is_independent_of_prompt_length():
+    cfg = linicl.preset("tiny-linear", dtype="float64", feature_map="taylor2")
+    model, variables = init(cfg)
+    sizes = {sum(x.size for x in jax.tree.leaves(iclca.convert(model, variables, tokens(0, 1, n, cfg.vocab_size))["iclca"]))
+             for n in (1, 50)}
+    assert sizes == {iclca.state_floats(cfg) + 1}  # + the offset scalar
