@@ -143,16 +143,17 @@ class Attention(nn.Module):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         B, H, T, dh = k.shape
         shape = (B, H, cfg.max_len, dh)
-        ck = self.variable(CACHE, "k", jnp.zeros, shape, dt)
-        cv = self.variable(CACHE, "v", jnp.zeros, shape, dt)
+        ck = self.variable(CACHE, "cached_k", jnp.zeros, shape, dt)
+        cv = self.variable(CACHE, "cached_v", jnp.zeros, shape, dt)
         cpos = self.variable(CACHE, "k_pos", lambda: jnp.full((cfg.max_len,), _EMPTY_SLOT, jnp.int32))
         idx = self.variable(CACHE, "index", lambda: jnp.zeros((), jnp.int32))
         if ck.value.shape[0] != B:
             raise LiniclError(f"the decode cache holds batch {ck.value.shape[0]}, tokens have batch {B}")
         start = idx.value
+        zero = jnp.zeros((), jnp.int32)
         overflow = start + T > cfg.max_len
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(dt), (0, 0, start, 0))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(dt), (0, 0, start, 0))
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(dt), (zero, zero, start, zero))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(dt), (zero, zero, start, zero))
         cpos.value = jax.lax.dynamic_update_slice(cpos.value, positions.astype(jnp.int32), (start,))
         idx.value = start + T
         return ck.value, cv.value, cpos.value, overflow

@@ -1,0 +1,99 @@
+"""The zoo's Transformer: shapes and dtypes, causality, kernel forms, cached decoding, jit/vmap/grad."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import linicl
+from linicl.nn.attention import CACHE, ICLCA
+from helpers import BASELINE_MIN, EXACT_RTOL, any_configs, apply, init, linear_configs, rel_err, tokens
+
+
+@pytest.mark.parametrize("name", sorted(n for n in linicl.PRESETS if n.startswith("tiny")))
+def test_presets_init_and_apply_in_float32(name):
+    cfg = linicl.preset(name)
+    model, variables = init(cfg)
+    logits = apply(model, variables, tokens(0, 3, 7, cfg.vocab_size))
+    assert logits.shape == (3, 7, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(variables))
+    assert set(variables) == {"params"}  # init stores no prompt state and no cache
+
+
+@given(cfg=any_configs(), T=st.integers(2, 30), seed=st.integers(0, 2**16), data=st.data())
+def test_model_is_causal(cfg, T, seed, data):
+    model, variables = init(cfg, seed)
+    x = tokens(seed, 2, T, cfg.vocab_size)
+    t = data.draw(st.integers(1, T - 1))
+    y = x.at[:, t:].set((x[:, t:] + 1) % cfg.vocab_size)
+    a, b = apply(model, variables, x), apply(model, variables, y)
+    assert rel_err(b[:, :t], a[:, :t]) <= EXACT_RTOL
+    assert rel_err(b[:, t:], a[:, t:]) >= BASELINE_MIN
+
+
+@given(cfg=linear_configs(max_layers=2), T=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_kernel_forms_agree_in_the_model(cfg, T, seed):
+    x = tokens(seed, 2, T, cfg.vocab_size)
+    outs = {}
+    for form in ("parallel", "chunked", "recurrent"):
+        model, variables = init(cfg.replace(form=form), seed)
+        outs[form] = apply(model, variables, x)
+    assert rel_err(outs["chunked"], outs["parallel"]) <= EXACT_RTOL
+    assert rel_err(outs["recurrent"], outs["parallel"]) <= EXACT_RTOL
+
+
+def decode_steps(model, variables, x, prefill: int):
+    """Logits of x computed as one prefill call then one token at a time with the decode state."""
+    col = ICLCA if model.cfg.attention == "linear" else CACHE
+    step = jax.jit(lambda v, t: model.apply(v, t, mutable=[col]))
+    logits, state = step(variables, x[:, :prefill])
+    out = [logits]
+    for t in range(prefill, x.shape[1]):
+        logits, state = step({**variables, **state}, x[:, t:t + 1])
+        out.append(logits)
+    return jnp.concatenate(out, axis=1)
+
+
+@given(cfg=any_configs(), T=st.integers(2, 20), seed=st.integers(0, 2**16), data=st.data())
+def test_cached_decoding_equals_the_full_forward(cfg, T, seed, data):
+    model, variables = init(cfg, seed)
+    x = tokens(seed, 2, T, cfg.vocab_size)
+    prefill = data.draw(st.integers(1, T - 1))
+    full = apply(model, variables, x)
+    assert rel_err(decode_steps(model, variables, x, prefill), full) <= EXACT_RTOL
+    # Power: each token alone, without the state, is a different model.
+    alone = jnp.concatenate([apply(model, variables, x[:, t:t + 1]) for t in range(T)], axis=1)
+    assert rel_err(alone, full) >= BASELINE_MIN
+
+
+@pytest.mark.parametrize("name", ["tiny-softmax", "tiny-softmax-rope", "tiny-linear-learned"])
+def test_greedy_generation_matches_repeated_full_forwards(name):
+    cfg = linicl.preset(name, dtype="float64")
+    model, variables = init(cfg)
+    x = tokens(5, 2, 6, cfg.vocab_size)
+    out = linicl.generate(model, variables, x, 5)
+    seq = x
+    for _ in range(5):  # the reference: no cache, argmax of a full forward each step
+        nxt = jnp.argmax(apply(model, variables, seq)[:, -1], axis=-1).astype(jnp.int32)
+        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
+    np.testing.assert_array_equal(out, seq[:, 6:])
+
+
+def test_apply_jits_vmaps_and_differentiates():
+    cfg = linicl.preset("tiny-linear-rope-decay", dtype="float64")
+    model, variables = init(cfg)
+    x = tokens(1, 4, 9, cfg.vocab_size)
+    batched = apply(model, variables, x)
+    per_row = jax.jit(jax.vmap(lambda row: model.apply(variables, row[None])[0]))(x)
+    assert rel_err(per_row, batched) <= EXACT_RTOL
+    loss = jax.jit(lambda p: jnp.mean(jax.nn.logsumexp(model.apply({"params": p}, x), axis=-1)))
+    g = jax.jit(jax.grad(loss))(variables["params"])
+    # The gradient is a real derivative: compare one coordinate with a central difference.
+    leaf = g["layers_0"]["attn"]["q"]["kernel"]
+    h = 1e-6
+    bump = lambda s: jax.tree_util.tree_map_with_path(
+        lambda path, a: a.at[0, 0, 0].add(s * h) if "layers_0" in str(path) and "'q'" in str(path) and "kernel" in str(path) else a,
+        variables["params"])
+    fd = (loss(bump(1)) - loss(bump(-1))) / (2 * h)
+    assert abs(float(fd) - float(leaf[0, 0, 0])) <= 1e-6 * max(1.0, abs(float(fd)))
