@@ -28,7 +28,7 @@ demo: venv
 	$(VENV)/bin/linicl verify --out results
 
 test: venv-test
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
 
 bench: venv-test
 	$(PY) experiments/benchmarks/iclca_speed.py

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from linicl._validate import check_fits, check_tokens
 from linicl.errors import LiniclError
-from linicl.iclca import _config_of, offset_of
 from linicl.nn.attention import CACHE, ICLCA
+from linicl.nn.transformer import config_of, position_offset
 
 
 def _state_collection(cfg) -> str:
@@ -55,7 +55,7 @@ def generate(model, variables, tokens, n_new: int, *, key: Optional[jax.Array] =
     Sampling uses ``key`` split into one key per new token, so two models with the same logits (e.g. a
     prompted and a converted model) sample the same tokens. Returns ``int32[batch, n_new]``.
     """
-    cfg = _config_of(model)
+    cfg = config_of(model)
     tokens = jnp.asarray(check_tokens("tokens", tokens, cfg.vocab_size))
     if not isinstance(n_new, int) or n_new < 1:
         raise LiniclError(f"n_new must be a positive int, got {n_new!r}")
@@ -63,7 +63,7 @@ def generate(model, variables, tokens, n_new: int, *, key: Optional[jax.Array] =
         raise LiniclError(f"temperature must be > 0, got {temperature!r}")
     total = tokens.shape[1] + n_new - 1  # the last new token is never fed back
     if cfg.positions == "learned":
-        check_fits("tokens", offset_of(variables), total, cfg.max_len, "generation with learned positions")
+        check_fits("tokens", position_offset(variables), total, cfg.max_len, "generation with learned positions")
     if cfg.attention == "softmax":
         check_fits("tokens", 0, total, cfg.max_len, "generation with the decode cache")
     variables = {k: v for k, v in variables.items() if k != CACHE}

@@ -20,27 +20,19 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from linicl._validate import check_fits, check_tokens
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError, NotExactError
 from linicl.nn.attention import ICLCA
+from linicl.nn.transformer import config_of, position_offset
 
 Variables = Mapping[str, Any]
 
 
-def _config_of(model) -> ModelConfig:
-    cfg = getattr(model, "cfg", None)
-    if not isinstance(cfg, ModelConfig):
-        raise LiniclError(f"model must be a linicl.Transformer (with a ModelConfig .cfg), "
-                          f"got {type(model).__name__}")
-    return cfg
-
-
 def require_exact(model) -> ModelConfig:
     """The model's config, or NotExactError when the ICLCA identity does not hold for it."""
-    cfg = _config_of(model)
+    cfg = config_of(model)
     if cfg.attention != "linear":
         raise NotExactError(
             f"iclca.convert is exact only for linear attention, but this model has "
@@ -57,9 +49,8 @@ def _check_variables(variables) -> None:
 
 
 def offset_of(variables: Variables) -> int:
-    """Position of the first query token for these variables (0 unless learned positions)."""
-    off = variables.get(ICLCA, {}).get("offset", 0)
-    return int(np.asarray(off))
+    """Position of the first query token for these converted variables (0 unless learned positions)."""
+    return position_offset(variables)
 
 
 @functools.lru_cache(maxsize=64)

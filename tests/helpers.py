@@ -8,6 +8,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import settings
 from hypothesis import strategies as st
 
 import linicl
@@ -20,6 +21,12 @@ from linicl.config import FEATURE_MAPS, NORMS, POSITIONS
 EXACT_RTOL = 1e-12
 # What "far off" means for the baselines that show a test has power.
 BASELINE_MIN = 1e-3
+
+
+def examples(fraction: float) -> settings:
+    """The active profile with ``fraction`` of its examples (at least 3), for tests whose every
+    example compiles several functions. ``thorough`` still runs many of them."""
+    return settings(max_examples=max(3, round(settings.default.max_examples * fraction)))
 
 
 def rel_err(a, b) -> float:

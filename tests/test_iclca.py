@@ -8,8 +8,8 @@ from hypothesis import given, strategies as st
 
 import linicl
 from linicl import iclca
-from helpers import (BASELINE_MIN, EXACT_RTOL, apply, init, linear_configs, prompt_and_query, rel_err,
-                     tokens)
+from helpers import (BASELINE_MIN, EXACT_RTOL, apply, examples, init, linear_configs, prompt_and_query,
+                     rel_err, tokens)
 
 
 def prompted(model, variables, prompt, query):
@@ -32,6 +32,7 @@ def test_converted_equals_prompted(cfg, n, m, batch, shared_prompt, seed):
     assert rel_err(apply(model, variables, query), reference) >= BASELINE_MIN
 
 
+@examples(0.6)
 @given(cfg=linear_configs(max_layers=2), n1=st.integers(1, 20), n2=st.integers(1, 20),
        seed=st.integers(0, 2**16))
 def test_converting_twice_equals_converting_the_concatenation(cfg, n1, n2, seed):
@@ -48,6 +49,7 @@ def test_converting_twice_equals_converting_the_concatenation(cfg, n1, n2, seed)
     assert rel_err(apply(model, only_p2, query), apply(model, once, query)) >= BASELINE_MIN
 
 
+@examples(0.4)
 @given(cfg=linear_configs(max_layers=2), n=st.integers(1, 20), m=st.integers(1, 6),
        n_new=st.integers(1, 8), seed=st.integers(0, 2**16))
 def test_generation_from_converted_equals_generation_from_prompted(cfg, n, m, n_new, seed):

@@ -8,7 +8,8 @@ from hypothesis import given, strategies as st
 
 import linicl
 from linicl.nn.attention import CACHE, ICLCA
-from helpers import BASELINE_MIN, EXACT_RTOL, any_configs, apply, init, linear_configs, rel_err, tokens
+from helpers import (BASELINE_MIN, EXACT_RTOL, any_configs, apply, examples, init, linear_configs, rel_err,
+                     tokens)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in linicl.PRESETS if n.startswith("tiny")))
@@ -32,6 +33,7 @@ def test_model_is_causal(cfg, T, seed, data):
     assert rel_err(b[:, t:], a[:, t:]) >= BASELINE_MIN
 
 
+@examples(0.4)
 @given(cfg=linear_configs(max_layers=2), T=st.integers(1, 40), seed=st.integers(0, 2**16))
 def test_kernel_forms_agree_in_the_model(cfg, T, seed):
     x = tokens(seed, 2, T, cfg.vocab_size)
@@ -55,6 +57,7 @@ def decode_steps(model, variables, x, prefill: int):
     return jnp.concatenate(out, axis=1)
 
 
+@examples(0.6)
 @given(cfg=any_configs(), T=st.integers(2, 20), seed=st.integers(0, 2**16), data=st.data())
 def test_cached_decoding_equals_the_full_forward(cfg, T, seed, data):
     model, variables = init(cfg, seed)

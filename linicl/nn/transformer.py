@@ -8,18 +8,35 @@ re-based instead, so their next token is always at position 0).
 
 from __future__ import annotations
 
-import functools
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linicl._validate import check_fits, check_tokens, take_rows
 from linicl.config import ModelConfig
+from linicl.errors import LiniclError
 from linicl.nn.attention import CACHE, ICLCA, _advancing
 from linicl.nn.block import Block
 
 _EMBED_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def config_of(model) -> ModelConfig:
+    """The ModelConfig of a zoo model, or a clear error for anything else."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, ModelConfig):
+        raise LiniclError(f"model must be a linicl.Transformer (with a ModelConfig .cfg), "
+                          f"got {type(model).__name__}")
+    return cfg
+
+
+def position_offset(variables: Mapping[str, Any]) -> int:
+    """Position of the first token a call with these variables reads (0 unless a prompt was stored
+    in a model with learned positions)."""
+    return int(np.asarray(variables.get(ICLCA, {}).get("offset", 0)))
 
 
 class Transformer(nn.Module):
