@@ -88,6 +88,34 @@ def convert(model, variables: Variables, prompt) -> dict:
     return {**variables, ICLCA: state}
 
 
+def to_trainable(model, converted: Variables):
+    """Move a converted prompt's state into trainable parameters.
+
+    Returns ``(model', variables')``: the same model with ``trainable_bias=True`` and variables whose
+    ``params`` hold the state as ``S_bias``/``z_bias`` (added to any bias already there), so that the
+    stored prompt can be fine-tuned like any weight (e.g. as the initialisation of a PrefixMemory-style
+    bias). ``model'.apply(variables', query) == model.apply(converted, query)``. The state must have
+    batch 1; a learned-positions offset stays in the ``"iclca"`` collection (it is not a weight).
+    """
+    cfg = require_exact(model)
+    terms = bias_terms(converted)
+    if terms[0][0].shape[0] != 1:
+        raise LiniclError(f"to_trainable needs a state converted from a batch-1 prompt, got batch "
+                          f"{terms[0][0].shape[0]}")
+    params = jax.tree.map(lambda x: x, dict(converted["params"]))  # shallow copies down the tree
+    for layer, (S, z) in enumerate(terms):
+        attn = dict(params[f"layers_{layer}"]["attn"])
+        attn["S_bias"] = attn.get("S_bias", 0) + S[0]
+        attn["z_bias"] = attn.get("z_bias", 0) + z[0]
+        params[f"layers_{layer}"] = {**params[f"layers_{layer}"], "attn": attn}
+    trainable = type(model)(cfg.replace(trainable_bias=True))
+    rest = {k: v for k, v in converted.items() if k not in ("params", ICLCA)}
+    offset = converted[ICLCA].get("offset")
+    if offset is not None and cfg.positions == "learned":
+        rest[ICLCA] = {"offset": offset}
+    return trainable, {**rest, "params": params}
+
+
 def strip(variables: Variables) -> dict:
     """The variables without any stored prompt (the no-prompt model)."""
     return {k: v for k, v in variables.items() if k != ICLCA}

@@ -150,3 +150,18 @@ def test_state_size_is_independent_of_prompt_length():
     sizes = {sum(x.size for x in jax.tree.leaves(iclca.convert(model, variables, tokens(0, 1, n, cfg.vocab_size))["iclca"]))
              for n in (1, 50)}
     assert sizes == {iclca.state_floats(cfg) + 1}  # + the offset scalar
+
+
+@pytest.mark.parametrize("name", ["tiny-linear-rope-decay", "tiny-linear-learned"])
+def test_to_trainable_moves_the_state_into_params_exactly(name):
+    cfg = linicl.preset(name, dtype="float64")
+    model, variables = init(cfg)
+    prompt, query = prompt_and_query(4, 1, 21, 2, 6, cfg.vocab_size)
+    converted = iclca.convert(model, variables, prompt)
+    trainable, tvars = iclca.to_trainable(model, converted)
+    assert trainable.cfg.trainable_bias and "S_bias" in tvars["params"]["layers_0"]["attn"]
+    assert rel_err(apply(trainable, tvars, query), apply(model, converted, query)) <= EXACT_RTOL
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(trainable.apply({**tvars, "params": p}, query))))(tvars["params"])
+    assert np.any(grads["layers_0"]["attn"]["S_bias"])
+    with pytest.raises(linicl.LiniclError, match="batch-1 prompt"):
+        iclca.to_trainable(model, iclca.convert(model, variables, tokens(0, 2, 3, cfg.vocab_size)))
