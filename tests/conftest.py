@@ -24,3 +24,14 @@ settings.register_profile("ci", max_examples=10, derandomize=True, **_COMMON)
 settings.register_profile("dev", max_examples=2, derandomize=True, **_COMMON)
 settings.register_profile("thorough", max_examples=200, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_functions():
+    """Drop jit caches after each test module: a long (thorough) session otherwise keeps every
+    compiled executable of every example alive."""
+    yield
+    jax.clear_caches()

@@ -1,5 +1,7 @@
 """The ICLCA contract: a converted model with no prompt equals the prompted model, exactly."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,15 @@ from helpers import (BASELINE_MIN, EXACT_RTOL, apply, examples, init, linear_con
                      rel_err, tokens)
 
 
+def _trace(*example):
+    """With LINICL_TRACE_EXAMPLES=path, append each example before running it (to find an example
+    that crashes the process, which hypothesis cannot report)."""
+    path = os.environ.get("LINICL_TRACE_EXAMPLES")
+    if path:
+        with open(path, "a") as f:
+            f.write(repr(example) + "\n")
+
+
 def prompted(model, variables, prompt, query):
     """Logits of the query positions when the model reads [prompt; query]."""
     n = prompt.shape[1]
@@ -22,6 +33,7 @@ def prompted(model, variables, prompt, query):
 @given(cfg=linear_configs(), n=st.integers(1, 40), m=st.integers(1, 12), batch=st.integers(1, 3),
        shared_prompt=st.booleans(), seed=st.integers(0, 2**16))
 def test_converted_equals_prompted(cfg, n, m, batch, shared_prompt, seed):
+    _trace(cfg, n, m, batch, shared_prompt, seed)
     model, variables = init(cfg, seed)
     prompt, query = prompt_and_query(seed + 1, 1 if shared_prompt else batch, n, batch, m, cfg.vocab_size)
     reference = prompted(model, variables, prompt, query)
