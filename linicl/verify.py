@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -3,7 +3,6 @@ softmax attention. float64; relative error <= 1e-12 (see helpers.EXACT_RTOL)."""
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
