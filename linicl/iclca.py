@@ -102,7 +102,7 @@ def to_trainable(model, converted: Variables):
     if terms[0][0].shape[0] != 1:
         raise LiniclError(f"to_trainable needs a state converted from a batch-1 prompt, got batch "
                           f"{terms[0][0].shape[0]}")
-    params = jax.tree.map(lambda x: x, dict(converted["params"]))  # shallow copies down the tree
+    params = dict(converted["params"])  # each touched layer below is copied, not mutated
     for layer, (S, z) in enumerate(terms):
         attn = dict(params[f"layers_{layer}"]["attn"])
         attn["S_bias"] = attn.get("S_bias", 0) + S[0]

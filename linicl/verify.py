@@ -15,11 +15,11 @@ import platform
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from linicl import iclca
 from linicl.config import ModelConfig
 from linicl.errors import NotExactError
+from linicl.metrics import rel_err
 from linicl.nn.attention import CACHE
 from linicl.nn.transformer import Transformer
 from linicl.timing import time_call
@@ -54,11 +54,6 @@ def zoo() -> dict[str, ModelConfig]:
     return {name: ModelConfig(**{**_BASE, **spec, "dtype": "float64"}) for name, spec in specs.items()}
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 def _random_variables(model: Transformer, seed: int):
     variables = jax.jit(model.init)(jax.random.PRNGKey(seed), jnp.zeros((1, 2), jnp.int32))
     if model.cfg.trainable_bias:  # a trained-looking bias; z >= 0 keeps denominators positive
@@ -85,17 +80,17 @@ def _check_linear(cfg: ModelConfig, n: int, m: int, batch: int, seed: int) -> di
 
     reference = forward(variables, full)[:, n:]
     converted = iclca.convert(model, variables, prompt)
-    row = dict(err_f64=_rel(forward(converted, query), reference),
-               err_no_prompt=_rel(forward(variables, query), reference))
+    row = dict(err_f64=rel_err(forward(converted, query), reference),
+               err_no_prompt=rel_err(forward(variables, query), reference))
 
     model32 = Transformer(cfg.replace(dtype="float32"))
     v32 = _cast(variables, jnp.float32)
     forward32 = jax.jit(model32.apply)
-    row["err_f32"] = _rel(forward32(iclca.convert(model32, v32, prompt), query), forward32(v32, full)[:, n:])
+    conv32 = iclca.convert(model32, v32, prompt)
+    row["err_f32"] = rel_err(forward32(conv32, query), forward32(v32, full)[:, n:])
 
     # Timings in float32, the dtype users run.
     absorb = iclca._absorb_fn(model32)
-    conv32 = iclca.convert(model32, v32, prompt)
     row["convert_ms"] = 1e3 * time_call(absorb, v32, prompt, repeats=5)
     t_prompted = time_call(forward32, v32, full, repeats=5)
     t_converted = time_call(forward32, conv32, query, repeats=5, min_seconds=0.05)
@@ -121,7 +116,7 @@ def _check_softmax(cfg: ModelConfig, n: int, batch: int, seed: int) -> dict:
     for t in range(n // 2, n):
         logits, state = step({**variables, **state}, x[:, t:t + 1])
         outs.append(logits)
-    err = _rel(jnp.concatenate(outs, axis=1), jax.jit(model.apply)(variables, x))
+    err = rel_err(jnp.concatenate(outs, axis=1), jax.jit(model.apply)(variables, x))
     return dict(conversion="refused (softmax: approximate only)" if refused else "NOT REFUSED",
                 decode_cache_err_f64=err, ok=refused and err <= F64_TOL)
 

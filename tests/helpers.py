@@ -7,12 +7,12 @@ import zlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 
 import linicl
 from linicl.config import FEATURE_MAPS, NORMS, POSITIONS
+from linicl.metrics import rel_err  # noqa: F401  (re-exported for the tests)
 
 # Exact identities in float64: the two sides differ only by the order of floating-point sums over at
 # most a few hundred terms per layer, a handful of layers deep. Each rounding is <= 2^-53 = 1.1e-16
@@ -30,14 +30,6 @@ def examples(fraction: float) -> settings:
     """The active profile with ``fraction`` of its examples (at least 3), for tests whose every
     example compiles several functions. ``thorough`` still runs many of them."""
     return settings(max_examples=max(3, round(settings.default.max_examples * fraction)))
-
-
-def rel_err(a, b) -> float:
-    """Normwise relative error max|a - b| / max|b| (infinity norm over every element)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = np.max(np.abs(b))
-    assert scale > 0, "reference is identically zero: the relative error is undefined"
-    return float(np.max(np.abs(a - b)) / scale)
 
 
 def tokens(seed: int, batch: int, length: int, vocab: int, low: int = 0) -> jax.Array:

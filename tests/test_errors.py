@@ -133,3 +133,10 @@ def test_generate_argument_checks():
         linicl.generate(model, variables, x, 0)
     with pytest.raises(LiniclError, match="temperature must be > 0"):
         linicl.generate(model, variables, x, 2, key=jax.random.PRNGKey(0), temperature=0.0)
+
+
+def test_rel_err_refuses_a_zero_reference():
+    from linicl.metrics import rel_err
+    assert rel_err(np.array([1.0, 2.5]), np.array([1.0, 2.0])) == 0.25
+    with pytest.raises(LiniclError, match="identically zero"):
+        rel_err(np.ones(3), np.zeros(3))
