@@ -5,9 +5,9 @@
 * ``generate``: greedy and sampled decoding with a state or a KV cache.
 """
 
-from linicl import iclca, kernels
+from linicl import data, iclca, kernels
 from linicl.config import PRESETS, ModelConfig, preset
-from linicl.errors import (ConfigError, DegenerateInputError, LiniclError, NotExactError,
+from linicl.errors import (ConfigError, DataError, DegenerateInputError, LiniclError, NotExactError,
                            SequenceTooLongError)
 from linicl.generation import generate
 from linicl.nn import Transformer
@@ -16,4 +16,4 @@ __version__ = "0.1.0"
 
 __all__ = ["ModelConfig", "PRESETS", "preset", "Transformer", "iclca", "kernels", "generate",
            "LiniclError", "ConfigError", "NotExactError", "SequenceTooLongError",
-           "DegenerateInputError"]
+           "DegenerateInputError", "DataError", "data"]

@@ -16,8 +16,12 @@ from linicl.errors import ConfigError
 ATTENTION_KINDS = ("linear", "softmax")
 FEATURE_MAPS = ("elu+1", "relu", "identity", "taylor2")
 POSITIONS = ("none", "learned", "rope")
-NORMS = ("pre", "post")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+NORMS = ("pre", "post", "none")
+NORM_TYPES = ("layernorm", "rmsnorm")
+SKIPS = ("residual", "dherin", "none")
+MLPS = ("plain", "gated")
+ROPE_STYLES = ("interleaved", "half")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "tanh")
 FORMS = ("auto", "parallel", "chunked", "recurrent")
 DTYPES = ("float32", "float64", "bfloat16")
 
@@ -52,7 +56,21 @@ class ModelConfig:
       positions: ``"none"``, ``"learned"`` absolute embeddings, or ``"rope"``. In linear attention the
         rotation acts on the features phi(q), phi(k) of the numerator only; the normaliser uses the
         unrotated features, so it stays positive and the model depends on t - i only.
-      norm: ``"pre"`` (with a final LayerNorm) or ``"post"`` LayerNorm blocks.
+      norm: ``"pre"`` (with a final norm), ``"post"`` or ``"none"`` (no norm in the blocks).
+      norm_type: ``"layernorm"`` (GPT-2: scale and bias) or ``"rmsnorm"`` (Llama: scale only).
+      skip: how a block without norms adds its parts (``norm="none"`` only; the implicit-update
+        block forms of Dherin et al. and Innocenti & Achour): ``"residual"`` h = x + A(x), out = h +
+        MLP(h); ``"dherin"`` out = x + A(x) + MLP(A(x)); ``"none"`` (Dherin's plain block) out =
+        MLP(A(x)).
+      final_norm: a norm after the last block; ``None`` means "only for pre-norm models".
+      mlp: ``"plain"`` (``fc_out(act(fc_in(x)))``, with ``mlp_depth - 2`` hidden ``fc_mid_j`` layers)
+        or ``"gated"`` (SwiGLU when ``activation="silu"``: ``fc_out(act(fc_gate(x)) * fc_in(x))``).
+      n_kv_heads: key/value heads (grouped-query attention, Llama family); ``None`` = ``n_heads``.
+      rope_style: pairing of the rotated coordinates: ``"interleaved"`` (GPT-J, llama.cpp's GGUF
+        layout) or ``"half"`` (GPT-NeoX, HF Llama).
+      attn_bias, mlp_bias: biases of the attention and MLP projections; ``None`` = ``use_bias``.
+      causal: causal attention. ``False`` (softmax only) serves the non-causal implicit-update
+        theory; nothing that needs a state or a cache accepts it.
       attn_eps: the epsilon inside a normalised linear attention's denominator. It is part of the
         model, identical in the prompted and the converted model.
       form: linear-attention kernel form; ``"auto"`` picks parallel for short and chunked for long
@@ -74,8 +92,18 @@ class ModelConfig:
     decay: Union[None, float, Sequence[float]] = None
     positions: str = "none"
     norm: str = "pre"
+    norm_type: str = "layernorm"
+    skip: str = "residual"
+    final_norm: Optional[bool] = None
+    mlp: str = "plain"
+    mlp_depth: int = 2
+    n_kv_heads: Optional[int] = None
+    rope_style: str = "interleaved"
     activation: str = "gelu_tanh"
     use_bias: bool = True
+    attn_bias: Optional[bool] = None
+    mlp_bias: Optional[bool] = None
+    causal: bool = True
     tie_embeddings: bool = True
     rope_base: float = 10_000.0
     ln_eps: float = 1e-5
@@ -86,15 +114,18 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size"):
+        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size",
+                  "mlp_depth"):
             _positive_int(f, getattr(self, f))
         for f, choices in (("attention", ATTENTION_KINDS), ("feature_map", FEATURE_MAPS),
-                           ("positions", POSITIONS), ("norm", NORMS), ("activation", ACTIVATIONS),
-                           ("form", FORMS), ("dtype", DTYPES)):
+                           ("positions", POSITIONS), ("norm", NORMS), ("norm_type", NORM_TYPES),
+                           ("skip", SKIPS), ("mlp", MLPS), ("rope_style", ROPE_STYLES),
+                           ("activation", ACTIVATIONS), ("form", FORMS), ("dtype", DTYPES)):
             _choice(f, getattr(self, f), choices)
         if self.d_model % self.n_heads:
             raise ConfigError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
                               f"n_heads ({self.n_heads})")
+        self._check_structure()
         self._check_decay()
         if self.attention == "linear" and self.normalize and self.feature_map not in _NONNEGATIVE_MAPS:
             raise ConfigError(
@@ -104,6 +135,22 @@ class ModelConfig:
             raise ConfigError("ModelConfig.decay and trainable_bias apply to attention='linear' only")
         if self.positions == "rope" and self.head_dim < 2 and self.attention == "softmax":
             raise ConfigError("ModelConfig.positions='rope' needs a head dimension of at least 2")
+
+    def _check_structure(self) -> None:
+        if self.n_kv_heads is not None:
+            _positive_int("n_kv_heads", self.n_kv_heads)
+            if self.n_heads % self.n_kv_heads:
+                raise ConfigError(f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of "
+                                  f"n_kv_heads ({self.n_kv_heads})")
+        if self.skip != "residual" and self.norm != "none":
+            raise ConfigError(f"ModelConfig.skip={self.skip!r} is a block form without norms; "
+                              f"it needs norm='none' (got norm={self.norm!r})")
+        if self.mlp_depth < 2 or (self.mlp == "gated" and self.mlp_depth != 2):
+            raise ConfigError(f"ModelConfig.mlp_depth counts the MLP's dense layers: >= 2 for a plain "
+                              f"MLP, exactly 2 for a gated one; got {self.mlp_depth} ({self.mlp})")
+        if not self.causal and self.attention != "softmax":
+            raise ConfigError("ModelConfig.causal=False needs attention='softmax' (linear attention "
+                              "is defined here by its causal state)")
 
     def _check_decay(self) -> None:
         if self.decay is None:
@@ -123,6 +170,22 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def has_attn_bias(self) -> bool:
+        return self.use_bias if self.attn_bias is None else self.attn_bias
+
+    @property
+    def has_mlp_bias(self) -> bool:
+        return self.use_bias if self.mlp_bias is None else self.mlp_bias
+
+    @property
+    def has_final_norm(self) -> bool:
+        return self.norm == "pre" if self.final_norm is None else self.final_norm
 
     @property
     def feature_dim(self) -> int:
@@ -153,7 +216,13 @@ class ModelConfig:
             if self.decay is not None:
                 parts.append("decay=" + (f"{self.decay}" if not isinstance(self.decay, tuple)
                                          else "per-head"))
-        parts += [f"pos={self.positions}", f"{self.norm}-LN"]
+        if self.kv_heads != self.n_heads:
+            parts.append(f"kv{self.kv_heads}")
+        parts += [f"pos={self.positions}" + (f"/{self.rope_style}" if self.positions == "rope" else "")]
+        parts.append(f"{self.norm}-{'RMS' if self.norm_type == 'rmsnorm' else 'LN'}"
+                     if self.norm != "none" else f"no-norm/{self.skip}")
+        if self.mlp == "gated":
+            parts.append("gated-MLP")
         if self.trainable_bias:
             parts.append("trainable-bias")
         return " ".join(parts)
@@ -167,6 +236,12 @@ PRESETS = {
     "tiny-linear-unnormalized": ModelConfig(feature_map="identity", normalize=False),
     "tiny-softmax": ModelConfig(attention="softmax", positions="learned"),
     "tiny-softmax-rope": ModelConfig(attention="softmax", positions="rope"),
+    # The two pretrained families at toy size: GPT-2 (learned positions, LayerNorm with biases,
+    # tanh-GELU, tied embeddings) and Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases).
+    "tiny-gpt2": ModelConfig(attention="softmax", positions="learned", activation="gelu_tanh"),
+    "tiny-llama": ModelConfig(attention="softmax", positions="rope", rope_style="half",
+                              norm_type="rmsnorm", mlp="gated", activation="silu", n_kv_heads=2,
+                              use_bias=False, tie_embeddings=False),
     # The benchmark model of the foundation issue.
     "bench-4x256": ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, d_ff=1024,
                                max_len=32_768, positions="rope", decay=0.999),

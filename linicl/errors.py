@@ -19,3 +19,8 @@ class SequenceTooLongError(LiniclError):
 
 class DegenerateInputError(LiniclError):
     """A theory formula would divide by (nearly) zero for this input."""
+
+
+class DataError(LiniclError):
+    """A data or checkpoint directory, file or line is missing or malformed; the message names the path
+    and the fix."""

@@ -1,14 +1,21 @@
 """Multi-head causal attention as a Linen module: linear (with a state) or softmax (with a KV cache).
 
 Variable collections:
-* ``params``: ``q``, ``k``, ``v`` (DenseGeneral, kernel ``[d_model, heads, d_head]``), ``o`` (kernel
-  ``[heads, d_head, d_model]``); with ``cfg.trainable_bias``, ``S_bias: [heads, d_phi, d_head]`` and
+* ``params``: ``q`` (DenseGeneral, kernel ``[d_model, heads, d_head]``), ``k``, ``v`` (kernel
+  ``[d_model, kv_heads, d_head]``; grouped-query attention shares each key/value head among
+  ``heads // kv_heads`` query heads), ``o`` (kernel ``[heads, d_head, d_model]``); with ``cfg.trainable_bias``, ``S_bias: [heads, d_phi, d_head]`` and
   ``z_bias: [heads, d_phi]``, zero-initialised.
 * ``iclca`` (linear attention only): ``S: [batch or 1, heads, d_phi, d_head]``, ``z: [batch or 1, heads,
   d_phi]``, the state a prompt left behind. Read as the initial state when present; when the
   collection is mutable, the final state is written back (re-based for rope), so one ``apply`` with
   ``mutable=["iclca"]`` both converts a prompt and advances a decode.
-* ``cache`` (softmax attention only, when mutable): keys, values and their positions for decoding.
+* ``cache`` (softmax attention only, when mutable): keys, values (``kv_heads`` of them) and their
+  positions for decoding.
+
+Sites (``linicl.nn.hooks``): ``hook_q``, ``hook_k``, ``hook_v`` (projections before rope),
+``hook_z`` (per-head output before ``o``), all ``[batch, seq, heads, d_head]``; softmax attention also
+has ``hook_attn_scores`` (scaled logits before the causal mask) and ``hook_pattern``, both
+``[batch, heads, q_seq, k_seq]``.
 """
 
 from __future__ import annotations
@@ -24,20 +31,21 @@ from linicl.errors import LiniclError
 from linicl.kernels import feature_maps
 from linicl.kernels.linear_attention import LinearState, linear_attention
 from linicl.kernels.positions import apply_rope
-from linicl.kernels.softmax_attention import softmax_attention
+from linicl.kernels.softmax_attention import attention_logits, causal_mask
+from linicl.nn.hooks import site
 
 ICLCA = "iclca"
 CACHE = "cache"
 _EMPTY_SLOT = jnp.iinfo(jnp.int32).max  # key position of an unfilled cache slot: later than any query
 
 
-def rebase_state(S: jax.Array, shift: int, base: float) -> jax.Array:
+def rebase_state(S: jax.Array, shift: int, base: float, style: str = "interleaved") -> jax.Array:
     """Rotate the feature axis of ``S: [..., d_phi, d_v]`` by position ``-shift``.
 
     A rope state holds features rotated to absolute positions; after ``shift`` tokens this moves it to
     the frame in which the next token sits at position 0 (iclca.md, section 4).
     """
-    return jnp.swapaxes(apply_rope(jnp.swapaxes(S, -1, -2), -shift, base), -1, -2)
+    return jnp.swapaxes(apply_rope(jnp.swapaxes(S, -1, -2), -shift, base, style), -1, -2)
 
 
 def _advancing(module: nn.Module, collection: str) -> bool:
@@ -53,15 +61,24 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """``x: f[batch, seq, d_model]``, ``positions: int[seq]`` -> ``f[batch, seq, d_model]``."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        dense = functools.partial(nn.DenseGeneral, use_bias=cfg.use_bias, dtype=dt, param_dtype=dt)
-        heads = (cfg.n_heads, cfg.head_dim)
-        # [batch, seq, heads, d_head] -> [batch, heads, seq, d_head]
-        q, k, v = (jnp.swapaxes(dense(heads, name=n)(x), 1, 2) for n in ("q", "k", "v"))
+        dense = functools.partial(nn.DenseGeneral, use_bias=cfg.has_attn_bias, dtype=dt, param_dtype=dt)
+        sizes = {"q": (cfg.n_heads, cfg.head_dim), "k": (cfg.kv_heads, cfg.head_dim),
+                 "v": (cfg.kv_heads, cfg.head_dim)}
+        # [batch, seq, heads, d_head] (the sites' layout) -> [batch, heads, seq, d_head]
+        q, k, v = (jnp.swapaxes(site(self, f"hook_{n}", dense(sizes[n], name=n)(x), head_axis=2), 1, 2)
+                   for n in ("q", "k", "v"))
         if cfg.attention == "linear":
-            o = self._linear(q, k, v, positions)
+            o = self._linear(q, self._repeat_kv(k), self._repeat_kv(v), positions)
         else:
             o = self._softmax(q, k, v, positions)
-        return dense(cfg.d_model, axis=(-2, -1), name="o")(jnp.swapaxes(o, 1, 2))
+        z = site(self, "hook_z", jnp.swapaxes(o, 1, 2), head_axis=2)
+        return dense(cfg.d_model, axis=(-2, -1), name="o")(z)
+
+    def _repeat_kv(self, a: jax.Array) -> jax.Array:
+        """``[batch, kv_heads, seq, d]`` -> ``[batch, heads, seq, d]``: query head h reads key/value
+        head ``h // (heads // kv_heads)`` (the HF ``repeat_kv`` order)."""
+        rep = self.cfg.n_heads // self.cfg.kv_heads
+        return a if rep == 1 else jnp.repeat(a, rep, axis=1)
 
     # ------------------------------------------------------------------ linear attention
     def _linear(self, q, k, v, positions):
@@ -72,7 +89,7 @@ class Attention(nn.Module):
         if cfg.positions == "rope":
             # Rotate the numerator features only; the normaliser keeps the unrotated (positive) ones.
             q_den, k_den = fq, fk
-            fq, fk = (apply_rope(f, positions, cfg.rope_base) for f in (fq, fk))
+            fq, fk = (apply_rope(f, positions, cfg.rope_base, cfg.rope_style) for f in (fq, fk))
         state, bias = self._initial_state(q.shape[0])
         o, final = linear_attention(fq, fk, v, state, q_den=q_den, k_den=k_den,
                                     log_gamma=self._log_gamma(), normalize=cfg.normalize,
@@ -115,7 +132,7 @@ class Attention(nn.Module):
     def _store(self, final: LinearState, bias, n_tokens: int):
         S, z = final
         if self.cfg.positions == "rope":
-            S = rebase_state(S, n_tokens, self.cfg.rope_base)
+            S = rebase_state(S, n_tokens, self.cfg.rope_base, self.cfg.rope_style)
         if bias is not None:  # the bias is added again on every call: store only the rest
             S, z = S - bias.S, z - bias.z
         self.put_variable(ICLCA, "S", S)
@@ -128,12 +145,21 @@ class Attention(nn.Module):
     def _softmax(self, q, k, v, positions):
         cfg = self.cfg
         if cfg.positions == "rope":
-            q, k = (apply_rope(a, positions, cfg.rope_base) for a in (q, k))
+            q, k = (apply_rope(a, positions, cfg.rope_base, cfg.rope_style) for a in (q, k))
         k_pos = positions
         decoding = _advancing(self, CACHE)
         if decoding:
             k, v, k_pos, overflow = self._update_cache(k, v, positions)
-        o = softmax_attention(q, k, v, positions, k_pos)
+        k, v = self._repeat_kv(k), self._repeat_kv(v)
+        logits = site(self, "hook_attn_scores", attention_logits(q, k), pos_axis=2, head_axis=1,
+                      context={"q": q, "k": k, "q_pos": positions, "k_pos": k_pos})
+        # Causal: a key is visible from queries at or after its position. Non-causal: every filled
+        # key (an unfilled cache slot is never visible).
+        visible = (causal_mask(positions, k_pos) if cfg.causal
+                   else jnp.broadcast_to(k_pos[None, :] != _EMPTY_SLOT, (positions.shape[0], k_pos.shape[0])))
+        logits = jnp.where(visible, logits, -jnp.inf)
+        pattern = site(self, "hook_pattern", jax.nn.softmax(logits, axis=-1), pos_axis=2, head_axis=1)
+        o = jnp.einsum("bhts,bhsd->bhtd", pattern, v.astype(pattern.dtype)).astype(v.dtype)
         if decoding:
             # Under jit a full cache cannot raise; make the overflow visible instead of wrong.
             o = jnp.where(overflow, jnp.nan, o)
@@ -141,7 +167,7 @@ class Attention(nn.Module):
 
     def _update_cache(self, k, v, positions):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        B, H, T, dh = k.shape
+        B, H, T, dh = k.shape  # H = kv_heads: the cache stores the un-repeated keys and values
         shape = (B, H, cfg.max_len, dh)
         ck = self.variable(CACHE, "cached_k", jnp.zeros, shape, dt)
         cv = self.variable(CACHE, "cached_v", jnp.zeros, shape, dt)

@@ -1,4 +1,21 @@
-"""Transformer block (attention + MLP, pre- or post-LayerNorm) and its MLP."""
+"""Transformer block (attention + MLP in every form the zoo offers) and its MLP.
+
+Block forms (``cfg.norm`` / ``cfg.skip``), with A the attention and N1, N2 the block's norms:
+
+==================  ==================================  ======================  ====================
+form                h (the residual the MLP adds to)    MLP input               output
+==================  ==================================  ======================  ====================
+pre                 x + A(N1(x))                        N2(h)                   h + MLP(N2(h))
+post                N1(x + A(x))                        h                       N2(h + MLP(h))
+none / residual     x + A(x)                            h                       h + MLP(h)
+none / dherin       x + A(x)                            A(x)                    h + MLP(A(x))
+none / none         0 (Dherin's plain block)            A(x)                    MLP(A(x))
+==================  ==================================  ======================  ====================
+
+The sites ``hook_mlp_in`` (the MLP input, "g" of the implicit-update theory) and ``hook_resid_mid``
+(the residual value h the MLP output is added to, "q") are named the same in every form, so the
+implicit-update operators read them without knowing the form.
+"""
 
 from __future__ import annotations
 
@@ -6,46 +23,83 @@ import functools
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from linicl.config import ModelConfig
 from linicl.nn.attention import Attention
+from linicl.nn.hooks import site
 
 ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
+    "tanh": jnp.tanh,
 }
 
 
+def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
+    """LayerNorm (scale and bias) or RMSNorm (scale only), with the model's epsilon (part of the
+    model: it is the same on both sides of every identity)."""
+    dt = cfg.jnp_dtype
+    if cfg.norm_type == "rmsnorm":
+        return nn.RMSNorm(epsilon=cfg.ln_eps, dtype=dt, param_dtype=dt, name=name)
+    return nn.LayerNorm(epsilon=cfg.ln_eps, dtype=dt, param_dtype=dt, name=name)
+
+
 class MLP(nn.Module):
-    """``fc_out(act(fc_in(x)))``. ``fc_in.kernel`` is the "first MLP matrix" W (as W^T, ``[d_model,
-    d_ff]``) and ``fc_out.bias`` the "last MLP bias" b' of the implicit-update theory."""
+    """``fc_out(act(fc_in(x)))`` (with hidden ``fc_mid_j`` layers when ``mlp_depth > 2``), or gated
+    ``fc_out(act(fc_gate(x)) * fc_in(x))``.
+
+    ``fc_in.kernel`` (and ``fc_gate.kernel``) is the "first MLP matrix" W (stored as W^T,
+    ``[d_model, d_ff]``) and ``fc_out.bias`` the "last MLP bias" b' of the implicit-update theory.
+    Sites: ``hook_pre`` (``fc_in(x)``) and ``hook_post`` (the input of the next dense layer).
+    """
 
     cfg: ModelConfig
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        dense = functools.partial(nn.Dense, use_bias=cfg.use_bias, dtype=dt, param_dtype=dt)
-        h = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, name="fc_in")(x))
-        return dense(cfg.d_model, name="fc_out")(h)
+        dense = functools.partial(nn.Dense, use_bias=cfg.has_mlp_bias, dtype=dt, param_dtype=dt)
+        act = ACTIVATIONS[cfg.activation]
+        pre = site(self, "hook_pre", dense(cfg.d_ff, name="fc_in")(x))
+        if cfg.mlp == "gated":
+            h = act(dense(cfg.d_ff, name="fc_gate")(x)) * pre
+        else:
+            h = act(pre)
+            for j in range(cfg.mlp_depth - 2):
+                h = act(dense(cfg.d_ff, name=f"fc_mid_{j}")(h))
+        return dense(cfg.d_model, name="fc_out")(site(self, "hook_post", h))
 
 
 class Block(nn.Module):
-    """pre-LN: h = x + attn(ln1(x)); out = h + mlp(ln2(h)).
-    post-LN: h = ln1(x + attn(x)); out = ln2(h + mlp(h))."""
+    """One block in the form ``cfg.norm`` / ``cfg.skip`` (see the module docstring).
+
+    Sites: ``hook_resid_pre`` (x), ``hook_attn_out`` (A), ``hook_resid_mid`` (h), ``hook_mlp_in``,
+    ``hook_mlp_out``, ``hook_resid_post`` (the output), all ``[batch, seq, d_model]``.
+    """
 
     cfg: ModelConfig
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """``x: f[batch, seq, d_model]``, ``positions: int[seq]`` -> ``f[batch, seq, d_model]``."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
-        ln = functools.partial(nn.LayerNorm, epsilon=cfg.ln_eps, dtype=dt, param_dtype=dt)
+        cfg = self.cfg
         attn, mlp = Attention(cfg, name="attn"), MLP(cfg, name="mlp")
+        x = site(self, "hook_resid_pre", x)
+        a = site(self, "hook_attn_out", attn(make_norm(cfg, "ln1")(x) if cfg.norm == "pre" else x,
+                                             positions))
         if cfg.norm == "pre":
-            h = x + attn(ln(name="ln1")(x), positions)
-            return h + mlp(ln(name="ln2")(h))
-        h = ln(name="ln1")(x + attn(x, positions))
-        return ln(name="ln2")(h + mlp(h))
+            h = x + a
+            g = make_norm(cfg, "ln2")(site(self, "hook_resid_mid", h))
+        elif cfg.norm == "post":
+            h = g = site(self, "hook_resid_mid", make_norm(cfg, "ln1")(x + a))
+        else:
+            h = site(self, "hook_resid_mid", {"residual": x + a, "dherin": x + a,
+                                              "none": jnp.zeros_like(a)}[cfg.skip])
+            g = h if cfg.skip == "residual" else a
+        out = h + site(self, "hook_mlp_out", mlp(site(self, "hook_mlp_in", g)))
+        if cfg.norm == "post":
+            out = make_norm(cfg, "ln2")(out)
+        return site(self, "hook_resid_post", out)

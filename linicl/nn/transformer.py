@@ -8,7 +8,7 @@ re-based instead, so their next token is always at position 0).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -19,7 +19,8 @@ from linicl._validate import check_fits, check_tokens, take_rows
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
 from linicl.nn.attention import CACHE, ICLCA, _advancing
-from linicl.nn.block import Block
+from linicl.nn.block import Block, make_norm
+from linicl.nn.hooks import site
 
 _EMBED_INIT = nn.initializers.normal(stddev=0.02)
 
@@ -40,26 +41,51 @@ def position_offset(variables: Mapping[str, Any]) -> int:
 
 
 class Transformer(nn.Module):
+    """The zoo's model. Sites: ``hook_embed``, ``hook_pos_embed``, ``ln_final.hook_normalized`` (all
+    ``[batch, seq, d_model]``) and those of every block (``linicl.nn.block``)."""
+
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: Optional[jax.Array] = None, *, embeds: Optional[jax.Array] = None,
+                 hidden: bool = False) -> jax.Array:
+        """``tokens: int32[batch, seq]`` -> logits ``f[batch, seq, vocab]``.
+
+        Args:
+          embeds: instead of tokens, the first block's input ``f[batch, seq, d_model]`` (continuous
+            tokens, e.g. in-context regression; learned positions are still added).
+          hidden: return the final hidden state ``f[batch, seq, d_model]`` (after the final norm, if
+            any) instead of logits.
+        """
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        check_tokens("tokens", tokens, cfg.vocab_size)
-        T = tokens.shape[1]
-        positions = self._positions(T)
         embed = self.param("embed", _EMBED_INIT, (cfg.vocab_size, cfg.d_model), dt)
-        x = take_rows(embed, tokens)
+        x = self._inputs(embed, tokens, embeds)
+        positions = self._positions(x.shape[1])
         if cfg.positions == "learned":
             pos_embed = self.param("pos_embed", _EMBED_INIT, (cfg.max_len, cfg.d_model), dt)
-            x = x + take_rows(pos_embed, positions)[None]
+            x = x + site(self, "hook_pos_embed", take_rows(pos_embed, positions)[None])
         for layer in range(cfg.n_layers):
             x = Block(cfg, name=f"layers_{layer}")(x, positions)
-        if cfg.norm == "pre":
-            x = nn.LayerNorm(epsilon=cfg.ln_eps, dtype=dt, param_dtype=dt, name="ln_f")(x)
+        if cfg.has_final_norm:
+            x = site(self, "ln_final.hook_normalized", make_norm(cfg, "ln_f")(x))
+        if hidden:
+            return x
         if cfg.tie_embeddings:
             return x @ embed.T
         return nn.Dense(cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=dt, name="unembed")(x)
+
+    def _inputs(self, embed, tokens, embeds) -> jax.Array:
+        cfg = self.cfg
+        if (tokens is None) == (embeds is None):
+            raise LiniclError("Transformer: pass exactly one of tokens (int32[batch, seq]) or "
+                              "embeds (float[batch, seq, d_model])")
+        if embeds is not None:
+            if embeds.ndim != 3 or embeds.shape[-1] != cfg.d_model:
+                raise LiniclError(f"embeds must be float[batch, seq, {cfg.d_model}], got "
+                                  f"{embeds.dtype}{tuple(embeds.shape)}")
+            return embeds.astype(cfg.jnp_dtype)
+        check_tokens("tokens", tokens, cfg.vocab_size)
+        return site(self, "hook_embed", take_rows(embed, tokens))
 
     def _positions(self, T: int) -> jax.Array:
         """``int32[T]`` positions of this call's tokens; advances the position counters if mutable."""
