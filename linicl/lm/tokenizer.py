@@ -1,0 +1,366 @@
+"""Tokenizers for pretrained models: a thin wrapper over the HF ``tokenizers`` library (Rust).
+
+Sources:
+
+* ``Tokenizer.from_dir(path)``: an HF model directory, from ``tokenizer.json`` if present, otherwise
+  GPT-2 style ``vocab.json`` + ``merges.txt`` (byte-level BPE). ``load_tokenizer_dir(path)`` does the
+  same but returns ``None`` when the directory holds no tokenizer files.
+* ``Tokenizer.from_gguf(file)``: rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata (byte-level
+  BPE, ``tokenizer.ggml.model == "gpt2"``), e.g. SmolLM2's.
+
+``encode`` never adds BOS/EOS unless asked (``add_bos=True`` / ``add_eos=True``); special tokens written
+literally in the text (``"<|im_start|>"``) are matched whole, as in HF. ``decode`` keeps special tokens
+unless ``skip_special_tokens=True``, so ``decode(encode(s)) == s`` for byte-level BPE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from linicl.errors import LiniclError
+
+__all__ = ["GGUF_PRE_TOKENIZERS", "Tokenizer", "load_tokenizer_dir"]
+
+# GGUF token types (llama.cpp's llama_token_type).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# tokenizer.ggml.pre values this module can reproduce, and how:
+#   "gpt2" (and a missing key): GPT-2's ByteLevel pre-tokenizer (its regex, no prefix space);
+#   "smollm": each digit split off first (HF: Digits(individual_digits=True)), then the same ByteLevel.
+# Other values (llama-bpe, qwen2, deepseek, ...) use different split regexes and are refused rather
+# than tokenised approximately. llama.cpp's own "default" is not GPT-2's regex (it also groups runs of
+# punctuation), so it is refused too; ``from_gguf(..., pre="gpt2")`` overrides when that is intended.
+GGUF_PRE_TOKENIZERS = ("gpt2", "smollm")
+
+_ENDOFTEXT = "<|endoftext|>"
+
+
+def _tk():
+    try:
+        import tokenizers
+    except ImportError:
+        raise LiniclError("linicl.lm.Tokenizer needs the `tokenizers` package: pip install tokenizers") from None
+    return tokenizers
+
+
+class Tokenizer:
+    """Text <-> token ids for one model.
+
+    ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` (including added tokens),
+    ``bos_id`` / ``eos_id`` (``None`` when unknown), ``token_to_id`` / ``id_to_token`` (``None`` when
+    absent). ``backend`` is the underlying ``tokenizers.Tokenizer``; ``source`` says where it came from.
+    """
+
+    def __init__(self, backend: Any, *, bos_id: int | None = None, eos_id: int | None = None,
+                 source: str = "<in memory>"):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.source = source
+
+    # -- constructors -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """From an HF model directory: ``tokenizer.json``, else ``vocab.json`` + ``merges.txt``. BOS/EOS
+        come from ``tokenizer_config.json``, then ``special_tokens_map.json``, then ``config.json``
+        (``bos_token_id``/``eos_token_id``), then ``<|endoftext|>`` when the vocabulary has it (GPT-2's
+        convention). Raises ``LiniclError`` naming the path when nothing loadable is there."""
+        tok = load_tokenizer_dir(path)
+        if tok is None:
+            raise LiniclError(f"{path}: no tokenizer files (expected tokenizer.json, or vocab.json and "
+                              f"merges.txt)")
+        return tok
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
+        """From a single ``tokenizer.json`` (special tokens read from the files beside it, if any)."""
+        path = Path(path)
+        if not path.is_file():
+            raise LiniclError(f"tokenizer file not found: {path}")
+        tk = _tk()
+        try:
+            backend = tk.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a plain Exception for malformed JSON
+            raise LiniclError(f"{path}: cannot load tokenizer: {e}") from None
+        bos, eos = _special_ids(path.parent, backend)
+        return cls(backend, bos_id=bos, eos_id=eos, source=str(path))
+
+    @classmethod
+    def from_vocab_merges(cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> Tokenizer:
+        """GPT-2 style byte-level BPE from ``vocab.json`` (token -> id) and ``merges.txt`` (one
+        ``"a b"`` merge per line, optional ``#version`` header)."""
+        vocab_path, merges_path = Path(vocab_path), Path(merges_path)
+        vocab = _read_json(vocab_path)
+        if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+            raise LiniclError(f"{vocab_path}: expected a JSON object mapping tokens to integer ids")
+        try:
+            lines = merges_path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise LiniclError(f"merges file not found: {merges_path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise LiniclError(f"cannot read {merges_path}: {e}") from None
+        merges = []
+        for k, line in enumerate(lines, 1):
+            if not line.strip() or (k == 1 and line.startswith("#version")):
+                continue
+            merges.append(_split_merge(line, f"{merges_path}:{k}"))
+        backend = _byte_level_bpe(vocab, merges, digits=False, where=str(vocab_path))
+        folder = vocab_path.parent
+        specials = [t for t in _configured_special_tokens(folder) if t in vocab]
+        if _ENDOFTEXT in vocab:
+            specials.append(_ENDOFTEXT)
+        _mark_special(backend, sorted(set(specials), key=vocab.get))
+        bos, eos = _special_ids(folder, backend)
+        return cls(backend, bos_id=bos, eos_id=eos, source=f"{vocab_path} + {merges_path.name}")
+
+    @classmethod
+    def from_gguf(cls, source: Any, *, pre: str | None = None) -> Tokenizer:
+        """From GGUF tokenizer metadata. ``source``: a path, a ``GGUFFile`` (``linicl.lm.read_gguf``), its
+        ``metadata`` mapping, or a ``gguf.GGUFReader``. Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is supported,
+        with the pre-tokenizers in ``GGUF_PRE_TOKENIZERS`` (``pre`` overrides ``tokenizer.ggml.pre``).
+        CONTROL tokens become special tokens (matched whole, never split)."""
+        if isinstance(source, (str, os.PathLike)):
+            from linicl.lm.gguf import read_gguf
+            source = read_gguf(source)
+        where = str(getattr(source, "path", "<GGUF metadata>"))
+        if hasattr(source, "fields") and not isinstance(source, Mapping):  # a gguf.GGUFReader
+            meta = {k: f.contents() for k, f in source.fields.items()}
+        else:
+            meta = getattr(source, "metadata", source)
+        if not isinstance(meta, Mapping):
+            raise LiniclError(f"from_gguf expects a path, a GGUFFile or a metadata mapping, got "
+                              f"{type(source).__name__}")
+        model = meta.get("tokenizer.ggml.model")
+        if model is None:
+            raise LiniclError(f"{where}: no tokenizer in this GGUF file (no tokenizer.ggml.model)")
+        if model != "gpt2":
+            raise LiniclError(f"{where}: unsupported GGUF tokenizer model {model!r}; only byte-level BPE "
+                              f"('gpt2') can be rebuilt")
+        pre_name = pre if pre is not None else meta.get("tokenizer.ggml.pre", "gpt2")
+        if pre_name not in GGUF_PRE_TOKENIZERS:
+            raise LiniclError(f"{where}: unsupported GGUF pre-tokenizer {pre_name!r} (supported: "
+                              f"{', '.join(GGUF_PRE_TOKENIZERS)}); pass pre=... to override")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        merges = meta.get("tokenizer.ggml.merges")
+        if not isinstance(tokens, list) or not tokens:
+            raise LiniclError(f"{where}: tokenizer.ggml.tokens is missing or empty")
+        if not isinstance(merges, list):
+            raise LiniclError(f"{where}: tokenizer.ggml.merges is missing (needed for BPE)")
+        types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise LiniclError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)
+        if len(vocab) != len(tokens):
+            raise LiniclError(f"{where}: tokenizer.ggml.tokens has {len(tokens) - len(vocab)} duplicate "
+                              f"entries; ids would not round-trip")
+        pairs = [_split_merge(m, f"{where}: tokenizer.ggml.merges[{k}]") for k, m in enumerate(merges)]
+        backend = _byte_level_bpe(vocab, pairs, digits=(pre_name == "smollm"), where=where)
+        _mark_special(backend, [t for t, ty in zip(tokens, types) if ty == _CONTROL])
+        _mark_added(backend, [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+
+        def tid(key):
+            v = meta.get(key)
+            return int(v) if isinstance(v, int) and 0 <= v < len(tokens) else None
+
+        return cls(backend, bos_id=tid("tokenizer.ggml.bos_token_id"),
+                   eos_id=tid("tokenizer.ggml.eos_token_id"), source=f"{where} (GGUF, pre={pre_name})")
+
+    # -- use ----------------------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Token ids of ``text``. Nothing is added unless ``add_bos``/``add_eos``."""
+        if not isinstance(text, str):
+            raise LiniclError(f"encode expects a str, got {type(text).__name__}")
+        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        if add_bos:
+            if self.bos_id is None:
+                raise LiniclError(f"add_bos=True but this tokenizer ({self.source}) has no BOS token")
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            if self.eos_id is None:
+                raise LiniclError(f"add_eos=True but this tokenizer ({self.source}) has no EOS token")
+            ids.append(self.eos_id)
+        return ids
+
+    def encode_batch(self, texts: Iterable[str], **kw) -> list[list[int]]:
+        return [self.encode(t, **kw) for t in texts]
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` (a list, or a 1-D NumPy/JAX array). Special tokens are kept by default."""
+        ids = [int(i) for i in ids]
+        n = self.vocab_size
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise LiniclError(f"decode: ids {bad[:5]} are outside the vocabulary [0, {n})")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.backend.id_to_token(int(i))
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_id is None else self.id_to_token(self.bos_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_id is None else self.id_to_token(self.eos_id)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.source}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+                f"eos_id={self.eos_id})")
+
+
+def load_tokenizer_dir(path: str | os.PathLike) -> Tokenizer | None:
+    """``Tokenizer.from_dir(path)``, or ``None`` when the directory holds neither ``tokenizer.json`` nor
+    ``vocab.json``/``merges.txt``. Raises ``LiniclError`` when ``path`` is not a directory, when only one
+    of ``vocab.json``/``merges.txt`` is there, or when the files are corrupt."""
+    path = Path(path)
+    if not path.is_dir():
+        raise LiniclError(f"tokenizer directory not found: {path}" if not path.exists()
+                          else f"not a directory: {path}")
+    tj = path / "tokenizer.json"
+    if tj.is_file():
+        return Tokenizer.from_file(tj)
+    vocab, merges = path / "vocab.json", path / "merges.txt"
+    if vocab.is_file() and merges.is_file():
+        return Tokenizer.from_vocab_merges(vocab, merges)
+    if vocab.is_file() or merges.is_file():
+        missing = merges if vocab.is_file() else vocab
+        raise LiniclError(f"{path}: found {'vocab.json' if vocab.is_file() else 'merges.txt'} but not "
+                          f"{missing.name}; a GPT-2 style BPE tokenizer needs both")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise LiniclError(f"file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LiniclError(f"cannot read {path}: {e}") from None
+
+
+def _split_merge(line: Any, where: str) -> tuple[str, str]:
+    # As llama.cpp: the separator is the first space after position 0 (byte-level tokens never hold a
+    # literal space, which is mapped to 'Ġ'). HF tokenizer.json may also give merges as pairs.
+    if isinstance(line, (list, tuple)) and len(line) == 2:
+        return str(line[0]), str(line[1])
+    if isinstance(line, str):
+        k = line.find(" ", 1)
+        if k > 0 and k < len(line) - 1:
+            return line[:k], line[k + 1:]
+    raise LiniclError(f"{where}: malformed merge {line!r} (expected 'left right')")
+
+
+def _byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], *, digits: bool, where: str):
+    tk = _tk()
+    from tokenizers import decoders, models, pre_tokenizers, processors
+    missing = [f"{a} {b}" for a, b in merges if a not in vocab or b not in vocab or a + b not in vocab]
+    if missing:
+        raise LiniclError(f"{where}: {len(missing)} merges use tokens that are not in the vocabulary, "
+                          f"e.g. {missing[0]!r}")
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    except Exception as e:
+        raise LiniclError(f"{where}: cannot build a BPE model: {e}") from None
+    backend = tk.Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                      byte_level]) if digits else byte_level)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return backend
+
+
+def _mark_special(backend, tokens: list[str]) -> None:
+    if tokens:
+        tk = _tk()
+        backend.add_special_tokens([tk.AddedToken(t, special=True, normalized=False) for t in tokens])
+
+
+def _mark_added(backend, tokens: list[str]) -> None:
+    if tokens:
+        tk = _tk()
+        backend.add_tokens([tk.AddedToken(t, special=False, normalized=False) for t in tokens])
+
+
+def _token_content(v: Any) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+def _configured_special_tokens(folder: Path) -> list[str]:
+    """Every special-token string named in tokenizer_config.json / special_tokens_map.json."""
+    out = []
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        p = folder / name
+        if not p.is_file():
+            continue
+        cfg = _read_json(p)
+        if not isinstance(cfg, dict):
+            continue
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            t = _token_content(cfg.get(key))
+            if t is not None:
+                out.append(t)
+        for spec in (cfg.get("added_tokens_decoder") or {}).values():
+            if isinstance(spec, dict) and spec.get("special") and _token_content(spec) is not None:
+                out.append(_token_content(spec))
+    return out
+
+
+def _special_ids(folder: Path, backend) -> tuple[int | None, int | None]:
+    """(bos_id, eos_id) from the configuration files next to the tokenizer (see ``from_dir``)."""
+    found: dict[str, int | None] = {"bos": None, "eos": None}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        p = folder / name
+        if not p.is_file():
+            continue
+        cfg = _read_json(p)
+        if not isinstance(cfg, dict):
+            continue
+        for kind in found:
+            t = _token_content(cfg.get(f"{kind}_token"))
+            if found[kind] is None and t is not None:
+                found[kind] = backend.token_to_id(t)
+    cfg_path = folder / "config.json"
+    if cfg_path.is_file():
+        cfg = _read_json(cfg_path)
+        if isinstance(cfg, dict):
+            n = backend.get_vocab_size(with_added_tokens=True)
+            for kind in found:
+                v = cfg.get(f"{kind}_token_id")
+                if isinstance(v, list) and v:  # some configs list several EOS ids; the first is canonical
+                    v = v[0]
+                if found[kind] is None and isinstance(v, int) and 0 <= v < n:
+                    found[kind] = v
+    eot = backend.token_to_id(_ENDOFTEXT)
+    for kind in found:
+        if found[kind] is None and eot is not None:
+            found[kind] = eot
+    return found["bos"], found["eos"]
