@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import linicl
-from linicl.config import FEATURE_MAPS, NORMS, POSITIONS
+from linicl.config import FEATURE_MAPS, NORM_TYPES, NORMS, POSITIONS, ROPE_STYLES, SKIPS
 from linicl.metrics import rel_err  # noqa: F401  (re-exported for the tests)
 
 # Exact identities in float64: the two sides differ only by the order of floating-point sums over at
@@ -81,6 +81,18 @@ def init(cfg: linicl.ModelConfig, seed: int = 0):
     return model, variables
 
 
+def _structure(draw, n_heads: int) -> dict:
+    """Block structure options shared by both attention kinds: norms and their kind, block form,
+    MLP kind and depth, grouped-query heads, rope pairing."""
+    norm = draw(st.sampled_from(NORMS))
+    mlp = draw(st.sampled_from(["plain", "gated"]))
+    return dict(norm=norm, skip=draw(st.sampled_from(SKIPS)) if norm == "none" else "residual",
+                norm_type=draw(st.sampled_from(NORM_TYPES)), mlp=mlp,
+                mlp_depth=draw(st.sampled_from([2, 3])) if mlp == "plain" else 2,
+                n_kv_heads=draw(st.sampled_from([h for h in (1, 2, 3) if n_heads % h == 0])),
+                rope_style=draw(st.sampled_from(ROPE_STYLES)))
+
+
 @st.composite
 def linear_configs(draw, max_layers: int = 3, max_len: int = 128, **fixed) -> linicl.ModelConfig:
     """Random float64 linear-attention configs over every option that matters for exactness."""
@@ -96,8 +108,8 @@ def linear_configs(draw, max_layers: int = 3, max_len: int = 128, **fixed) -> li
         vocab_size=draw(st.integers(6, 40)), d_model=n_heads * head_dim,
         n_layers=draw(st.integers(1, max_layers)), n_heads=n_heads, d_ff=draw(st.sampled_from([4, 8, 16])),
         max_len=max_len, attention="linear", feature_map=feature_map, normalize=normalize, decay=decay,
-        positions=draw(st.sampled_from(POSITIONS)), norm=draw(st.sampled_from(NORMS)),
-        activation=draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "silu"])),
+        positions=draw(st.sampled_from(POSITIONS)), **_structure(draw, n_heads),
+        activation=draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "silu", "tanh"])),
         use_bias=draw(st.booleans()), tie_embeddings=draw(st.booleans()),
         form=draw(st.sampled_from(["auto", "parallel", "chunked", "recurrent"])),
         chunk_size=draw(st.sampled_from([2, 3, 5, 16])), trainable_bias=draw(st.booleans()),
@@ -121,6 +133,6 @@ def any_configs(draw, **fixed) -> linicl.ModelConfig:
     values = dict(vocab_size=draw(st.integers(6, 40)), d_model=n_heads * draw(st.sampled_from([4, 6])),
                   n_layers=draw(st.integers(1, 3)), n_heads=n_heads, d_ff=8, max_len=128,
                   attention="softmax", positions=draw(st.sampled_from(POSITIONS)),
-                  norm=draw(st.sampled_from(NORMS)), dtype="float64")
+                  **_structure(draw, n_heads), use_bias=draw(st.booleans()), dtype="float64")
     values.update(fixed)
     return linicl.ModelConfig(**values)

@@ -19,3 +19,6 @@ from linicl.lm.tokenizer import Tokenizer, load_tokenizer_dir
 
 __all__ = ["GGUFFile", "TensorInfo", "Tokenizer", "load_tokenizer_dir", "permute_qk", "read_gguf",
            "smollm2_gguf_path", "unpermute_qk"]
+from linicl.lm.checkpoints import config_from_gguf, config_from_hf, from_pretrained, smollm2  # noqa: E402
+
+__all__ += ["from_pretrained", "smollm2", "config_from_hf", "config_from_gguf"]

@@ -1,0 +1,248 @@
+"""Activation cache and interventions, with TransformerLens-style names.
+
+Every value the zoo's forward pass passes through a site (``linicl.nn.hooks``) has a name such as
+``blocks.3.attn.hook_pattern``, ``blocks.0.hook_resid_pre`` or ``hook_embed``; ``site_names(cfg)``
+lists them for a model. There is one forward pass: caching and editing are variable collections of
+the same ``model.apply``, so everything here is pure and works under ``jit``, ``grad`` and ``vmap``.
+
+Reading::
+
+    logits, cache = run_with_cache(model, variables, tokens, names=["blocks.0.attn.hook_pattern"])
+    cache["pattern", 0]          # shorthand for "blocks.0.attn.hook_pattern"
+
+Editing (an ``Edit`` per site; several at one site apply in order)::
+
+    edits = [add("blocks.2.hook_resid_post", steer, positions=at_last(lengths, T)),
+             logit_bias(5, bias, heads=[0, 3])]
+    logits = run_with_edits(model, variables, tokens, edits)
+    edited = with_edits(variables, edits)        # or: model.apply(edited, tokens), e.g. inside a loss
+
+Shapes: residual sites ``[batch, seq, d_model]``; ``hook_q/k/v/z`` ``[batch, seq, heads, d_head]``
+(``hook_k``/``hook_v`` have ``kv_heads``); ``hook_attn_scores`` (scaled logits, before the causal mask)
+and ``hook_pattern`` ``[batch, heads, q_seq, k_seq]``; ``mlp.hook_pre``/``hook_post``
+``[batch, seq, d_ff]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linicl.config import ModelConfig
+from linicl.errors import LiniclError
+from linicl.nn.hooks import INTERMEDIATES, INTERVENTIONS, Edit
+from linicl.nn.transformer import config_of
+
+_ATTN_SITES = ("hook_q", "hook_k", "hook_v", "hook_z")
+_SCORE_SITES = ("hook_attn_scores", "hook_pattern")
+_BLOCK_SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "hook_mlp_out",
+                "hook_resid_post")
+_MLP_SITES = ("hook_pre", "hook_post")
+# cache["pattern", 3] shorthands -> the module part of the full name
+_SHORT = {**{s[5:]: "attn" for s in _ATTN_SITES + _SCORE_SITES},
+          **{s[5:]: "" for s in _BLOCK_SITES}, **{f"mlp_{s[5:]}": "mlp" for s in _MLP_SITES}}
+_NAME = re.compile(r"^blocks\.(\d+)\.(?:(attn|mlp)\.)?(hook_\w+)$")
+
+
+def site_names(cfg: ModelConfig) -> Tuple[str, ...]:
+    """Every site name of a model with this config, in forward order."""
+    top = ["hook_embed"] + (["hook_pos_embed"] if cfg.positions == "learned" else [])
+    attn = _ATTN_SITES[:3] + (_SCORE_SITES if cfg.attention == "softmax" else ()) + _ATTN_SITES[3:]
+    per_block = (["hook_resid_pre"] + [f"attn.{s}" for s in attn] + list(_BLOCK_SITES[1:4])
+                 + [f"mlp.{s}" for s in _MLP_SITES] + list(_BLOCK_SITES[4:]))
+    names = top + [f"blocks.{l}.{s}" for l in range(cfg.n_layers) for s in per_block]
+    return tuple(names + (["ln_final.hook_normalized"] if cfg.has_final_norm else []))
+
+
+def _path(name: str) -> Tuple[str, ...]:
+    """``blocks.3.attn.hook_q`` -> ``("layers_3", "attn", "hook_q")`` (the variable path)."""
+    m = _NAME.match(name)
+    if m is None:
+        return (name,)
+    layer, module, hook = m.groups()
+    return (f"layers_{layer}",) + ((module,) if module else ()) + (hook,)
+
+
+def _name(path: Sequence[str]) -> str:
+    """The inverse of ``_path``."""
+    if path and path[0].startswith("layers_"):
+        return ".".join(["blocks", path[0][len("layers_"):], *path[1:]])
+    return ".".join(path)
+
+
+def full_name(name, layer: Optional[int] = None) -> str:
+    """``("pattern", 3)`` or ``"pattern", 3`` -> ``"blocks.3.attn.hook_pattern"``; full names pass."""
+    if isinstance(name, tuple):
+        name, layer = name
+    if layer is None:
+        return name
+    if name not in _SHORT:
+        raise LiniclError(f"unknown short site name {name!r}; use one of {sorted(_SHORT)} or a full name")
+    module = _SHORT[name]
+    hook = "hook_" + (name[4:] if module == "mlp" else name)
+    return f"blocks.{layer}." + (f"{module}." if module else "") + hook
+
+
+def check_names(cfg: ModelConfig, names: Iterable[str], what: str = "names") -> None:
+    """Raise, naming the closest valid names, when a site does not exist in this model (an edit at a
+    missing site would otherwise do nothing, silently)."""
+    valid = set(site_names(cfg))
+    bad = [n for n in names if n not in valid]
+    if bad:
+        hint = ("; linear attention has no hook_attn_scores/hook_pattern"
+                if any(n.endswith(_SCORE_SITES) for n in bad) and cfg.attention == "linear" else "")
+        raise LiniclError(f"{what}: no site {bad} in this model ({cfg.n_layers} layers{hint}); "
+                          f"valid names: linicl.interventions.site_names(cfg)")
+
+
+class ActivationCache(dict):
+    """A plain ``{name: array}`` dict that also accepts ``cache["pattern", 3]``."""
+
+    def __getitem__(self, key):
+        return super().__getitem__(full_name(key) if isinstance(key, tuple) else key)
+
+    def stack(self, short: str) -> jax.Array:
+        """``cache.stack("resid_post")``: ``[layers, ...]`` of one site over all layers present."""
+        layers = sorted(int(m.group(1)) for n in self if (m := _NAME.match(n))
+                        and n == full_name(short, int(m.group(1))))
+        if not layers:
+            raise LiniclError(f"the cache holds no {short!r} site")
+        return jnp.stack([self[short, l] for l in layers])
+
+
+def _flatten(tree: Mapping, prefix: Tuple[str, ...] = ()) -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, tuple):  # a sown value: (x,)
+            out[_name(prefix + (key,))] = value[-1]
+        else:
+            out.update(_flatten(value, prefix + (key,)))
+    return out
+
+
+def capture(model, variables, tokens=None, *, names: Optional[Sequence[str]] = None,
+            embeds=None, **call_kwargs):
+    """The pure version of ``run_with_cache``: ``(output, {name: activation})``. Jit it with ``names``
+    fixed: activations that are not returned are never kept (XLA drops them)."""
+    cfg = config_of(model)
+    if names is not None:
+        names = [full_name(n) for n in names]
+        check_names(cfg, names)
+    out, state = model.apply(variables, tokens, embeds=embeds, mutable=[INTERMEDIATES], **call_kwargs)
+    acts = _flatten(state.get(INTERMEDIATES, {}))
+    return out, (acts if names is None else {n: acts[n] for n in names})
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_capture(model, names, with_embeds: bool, call_items):
+    def run(variables, x):
+        kwargs = dict(call_items)
+        if with_embeds:
+            return capture(model, variables, names=names, embeds=x, **kwargs)
+        return capture(model, variables, x, names=names, **kwargs)
+    return jax.jit(run)
+
+
+def run_with_cache(model, variables, tokens=None, *, names: Optional[Sequence[str]] = None,
+                   embeds=None, **call_kwargs):
+    """``(output, ActivationCache)`` of one jitted forward pass (compiled once per model, names and
+    shapes). ``names=None`` keeps every site; pass the ones you need for long sequences."""
+    names = None if names is None else tuple(full_name(n) for n in names)
+    fn = _jitted_capture(model, names, embeds is not None, tuple(sorted(call_kwargs.items())))
+    out, acts = fn(variables, embeds if embeds is not None else tokens)
+    return out, ActivationCache(acts)
+
+
+# ---------------------------------------------------------------------------------------- edits
+def _bool_mask(value, size: Optional[int], what: str):
+    if value is None:
+        return None
+    arr = np.asarray(value) if not isinstance(value, jax.Array) else value
+    if arr.dtype == np.bool_:
+        return jnp.asarray(arr)
+    if size is None:
+        raise LiniclError(f"{what} as indices needs the size; pass a bool mask instead")
+    idx = np.atleast_1d(np.asarray(arr))
+    if not np.issubdtype(idx.dtype, np.integer) or np.any(idx >= size) or np.any(idx < -size):
+        raise LiniclError(f"{what} must be integer indices in [-{size}, {size}) or a bool mask, got {value!r}")
+    mask = np.zeros(size, bool)
+    mask[idx] = True
+    return jnp.asarray(mask)
+
+
+def at_positions(seq_len: int, index) -> jax.Array:
+    """``bool[seq_len]`` selecting ``index`` (an int or ints; negative counts from the end)."""
+    return _bool_mask(np.asarray(index), seq_len, "index")
+
+
+def at_last(lengths, seq_len: int) -> jax.Array:
+    """``bool[batch, seq_len]`` selecting each row's last real token (right-padded batches)."""
+    lengths = jnp.asarray(lengths)
+    return jnp.arange(seq_len)[None, :] == (lengths[:, None] - 1)
+
+
+def edit(name, op: str, value: Any = None, *, positions=None, heads=None, n_heads: Optional[int] = None,
+         fn: Optional[Callable] = None) -> Tuple[str, Edit]:
+    """One ``(name, Edit)``. ``heads`` may be indices (give ``n_heads``) or a bool mask."""
+    return full_name(name), Edit(value=value, positions=_bool_mask(positions, None, "positions"),
+                                 heads=_bool_mask(heads, n_heads, "heads"), op=op, fn=fn)
+
+
+def add(name, value, **where) -> Tuple[str, Edit]:
+    """Add ``value`` (broadcast to the site) where selected: steering vectors, task vectors."""
+    return edit(name, "add", value, **where)
+
+
+def scale(name, factor, **where) -> Tuple[str, Edit]:
+    return edit(name, "scale", factor, **where)
+
+
+def replace(name, value, **where) -> Tuple[str, Edit]:
+    """Replace the selected entries with ``value`` (activation patching / interchange)."""
+    return edit(name, "replace", value, **where)
+
+
+def zero(name, **where) -> Tuple[str, Edit]:
+    return edit(name, "scale", jnp.zeros(()), **where)
+
+
+def apply_fn(name, fn: Callable, params: Any = None, **where) -> Tuple[str, Edit]:
+    """``fn(x, params, context)`` at a site; at ``hook_attn_scores`` the context holds the layer's
+    (rotated) ``q``, ``k`` ``[batch, heads, seq, d_head]`` and their positions."""
+    return edit(name, "fn", params, fn=fn, **where)
+
+
+def logit_bias(layer: int, bias, **where) -> Tuple[str, Edit]:
+    """An additive attention-logit bias at ``layer``, broadcast to ``[batch, heads, q_seq, k_seq]``;
+    applied before the causal mask, so it can never let a query see a later key."""
+    return add(("attn_scores", layer), bias, **where)
+
+
+def with_edits(variables: Mapping, edits: Sequence[Tuple[str, Edit]], cfg: Optional[ModelConfig] = None):
+    """``variables`` plus an ``interventions`` collection holding ``edits`` (replacing any there).
+    Give ``cfg`` (or use ``run_with_edits``) to check every name exists in the model."""
+    if cfg is not None:
+        check_names(cfg, [n for n, _ in edits], "edits")
+    tree: dict = {}
+    for name, e in edits:
+        if not isinstance(e, Edit):
+            raise LiniclError(f"edits must be (name, Edit) pairs; got {type(e).__name__} for {name!r}")
+        *scopes, leaf = _path(name)
+        node = tree
+        for s in scopes:
+            node = node.setdefault(s, {})
+        node[leaf] = node.get(leaf, ()) + (e,)
+    return {**variables, INTERVENTIONS: tree}
+
+
+def run_with_edits(model, variables, tokens=None, edits: Sequence[Tuple[str, Edit]] = (), **call_kwargs):
+    """``model.apply`` with ``edits`` (not jitted: wrap the caller in ``jax.jit``)."""
+    edited = with_edits(variables, edits, config_of(model))
+    if "embeds" in call_kwargs:
+        return model.apply(edited, **call_kwargs)
+    return model.apply(edited, tokens, **call_kwargs)
