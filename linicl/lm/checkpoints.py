@@ -120,6 +120,8 @@ def config_from_gguf(f: GGUFFile, *, dtype: str = "float32") -> ModelConfig:
                        attention="softmax", positions="rope", rope_style="half",
                        rope_base=float(f.arch("rope.freq_base", 10_000.0)), norm="pre",
                        norm_type="rmsnorm", mlp="gated", activation="silu", use_bias=False,
+                       attn_bias="blk.0.attn_q.bias" in f.tensor_info,
+                       mlp_bias="blk.0.ffn_up.bias" in f.tensor_info,
                        tie_embeddings="output.weight" not in f.tensor_info,
                        ln_eps=_short_float(f.arch("attention.layer_norm_rms_epsilon", 1e-5)), dtype=dtype)
 
