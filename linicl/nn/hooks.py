@@ -91,9 +91,22 @@ def _mask(edit: Edit, x: jax.Array, name: str, pos_axis: int, head_axis: Optiona
     return mask
 
 
+def _check_broadcast(edit: Edit, x: jax.Array, name: str) -> None:
+    shape = tuple(jnp.shape(edit.value))
+    try:
+        ok = jnp.broadcast_shapes(shape, x.shape) == x.shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise LiniclError(f"an edit at {name} has a value of shape {shape}, which does not broadcast to "
+                          f"the site's shape {tuple(x.shape)}")
+
+
 def apply_edit(edit: Edit, x: jax.Array, name: str, pos_axis: int = 1,
                head_axis: Optional[int] = None, context: Optional[Mapping[str, jax.Array]] = None):
     """``x`` with one edit applied (entries outside the edit's mask unchanged, in x's dtype)."""
+    if edit.op != "fn":
+        _check_broadcast(edit, x, name)
     if edit.op == "fn":
         new = edit.fn(x, edit.value, dict(context or {}))
     elif edit.op == "add":
