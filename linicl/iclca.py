@@ -10,7 +10,9 @@ layer's final state, re-based for rope, plus the position offset for learned pos
 
 Converting a converted model again with a second prompt equals converting the concatenated prompt,
 because the pass over the second prompt starts from the first prompt's state. Softmax models are
-refused: for them the prompt is not a finite state, and only an approximate conversion exists.
+refused: for them the prompt is not a finite state, and only an approximate conversion exists:
+``convert_approx`` (kernel-approximated bias terms, iclca.md section 7), which on a linear model is
+``convert`` itself.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linicl._validate import check_fits, check_tokens
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError, NotExactError
-from linicl.nn.attention import ICLCA
+from linicl.interventions import capture
+from linicl.kernels import prompt_kernels
+from linicl.kernels.positions import apply_rope
+from linicl.nn.attention import CACHE, ICLCA, PromptApprox
 from linicl.nn.transformer import config_of, position_offset
 
 Variables = Mapping[str, Any]
@@ -133,3 +139,152 @@ def bias_terms(variables: Variables) -> list[tuple[jax.Array, jax.Array]]:
 def state_floats(cfg: ModelConfig) -> int:
     """Floats stored per prompt (batch 1), independent of the prompt length: L * H * (d_phi * d_v + d_phi)."""
     return cfg.n_layers * cfg.n_heads * (cfg.feature_dim * cfg.head_dim + cfg.feature_dim)
+
+
+# ------------------------------------------------------------------------------ approximate (softmax)
+APPROX_FORMS = ("shared", "mix")
+
+
+@functools.lru_cache(maxsize=16)
+def _prompt_kv_fn(model):
+    """jit(variables, prompt) -> per layer (k, v) of the prompt as the decode cache holds them
+    (``[batch, kv_heads, n, d_head]``, keys rotated to positions 0..n-1): exact, by causality."""
+    def run(variables, prompt):
+        _, state = model.apply(variables, prompt, mutable=[CACHE])
+        n = prompt.shape[1]
+        return [(state[CACHE][f"layers_{l}"]["attn"]["cached_k"][:, :, :n],
+                 state[CACHE][f"layers_{l}"]["attn"]["cached_v"][:, :, :n])
+                for l in range(config_of(model).n_layers)]
+    return jax.jit(run)
+
+
+def _repeat(cfg: ModelConfig, a):
+    rep = cfg.n_heads // cfg.kv_heads
+    return a if rep == 1 else jnp.repeat(a, rep, axis=1)
+
+
+def _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs) -> None:
+    if kernel not in prompt_kernels.APPROX_KERNELS:
+        raise LiniclError(f"kernel must be one of {prompt_kernels.APPROX_KERNELS}, got {kernel!r}")
+    if form not in APPROX_FORMS:
+        raise LiniclError(f"form must be one of {APPROX_FORMS}, got {form!r}")
+    if form == "mix" and not 0.0 <= lam <= 1.0:
+        raise LiniclError(f"lam must lie in [0, 1] (the input's weight in the mix), got {lam}")
+    if not isinstance(sinks, int) or not 0 <= sinks <= n:
+        raise LiniclError(f"sinks must be an int in [0, {n}] (prompt tokens kept exact), got {sinks!r}")
+    if form == "mix" and sinks == n:
+        raise LiniclError("form='mix' needs at least one linearised prompt token (sinks < prompt length)")
+    if not cfg.causal:
+        raise LiniclError("convert_approx needs a causal model")
+
+
+def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2", *, form: str = "shared",
+                   lam: float = 0.5, sinks: int = 0, n_features: int = 256, seed: int = 0,
+                   fit_inputs=None, ridge: float = 1e-6) -> dict:
+    """Store ``prompt`` as kernel-approximated bias terms in a softmax model (iclca.md, section 7).
+
+    The prompt's keys and values are the exact ones of the prompted model (its decode cache); only
+    e^{q.k/sqrt d} between a later query and a prompt key is replaced by phi(q).phi(k), so each layer
+    and head keeps B = sum phi(k_i) v_i^T and b = sum phi(k_i). The query then sits at positions
+    n, n+1, ... (the offset is stored, for learned positions and rope alike).
+
+    Args:
+      model, variables: a ``linicl.Transformer`` and its variables (with no prompt stored yet).
+      prompt: ``int32[batch or 1, n]``.
+      kernel: ``"taylor2"`` (default), ``"prf"`` (``n_features`` positive random features drawn from
+        ``seed``), or ``"elu+1"``.
+      form: ``"shared"`` (prompt and input terms share one softmax normaliser) or ``"mix"``
+        (``lam`` * softmax over the input + (1 - lam) * the prompt's kernel attention).
+      sinks: the first ``sinks`` prompt tokens stay exact key/value entries of the softmax (attention
+        sinks); only the rest is linearised. With ``sinks=n`` the conversion is exact.
+      fit_inputs: optional ``int32[m, t]`` sample inputs. Then (B, b) are not sums over the prompt but
+        the least-squares fit, per layer and head, of the prompt's exact numerator and partition at
+        the queries the prompted model forms on these inputs (rows weighted by 1 / the query's total
+        softmax mass, so the fit targets the attention mixture), with ridge ``ridge`` * mean diagonal.
+        Needs a batch-1 prompt.
+    Returns:
+      Variables with the ``"iclca"`` collection holding, per layer, a ``PromptApprox`` and the query's
+      position ``offset = n``. On a linear-attention model: ``convert(model, variables, prompt)``,
+      which is exact (the kernel arguments do not apply).
+    """
+    cfg = config_of(model)
+    if cfg.attention == "linear":
+        return convert(model, variables, prompt)
+    _check_variables(variables)
+    if ICLCA in variables:
+        raise LiniclError("variables already hold a converted prompt; convert the whole prompt at once "
+                          "(iclca.strip(variables) gives the plain model)")
+    prompt = jnp.asarray(check_tokens("prompt", prompt, cfg.vocab_size))
+    n = prompt.shape[1]
+    _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs)
+    check_fits("prompt", 0, n + 1, cfg.max_len, "the model's positions (prompt plus one query token)")
+    kv = _prompt_kv_fn(model)(dict(variables), prompt)
+    key = jax.random.PRNGKey(seed)
+    layers = {}
+    fit = _fit_targets(model, variables, prompt, fit_inputs, kernel, sinks, n_features, seed) \
+        if fit_inputs is not None else None
+    for l, (k, v) in enumerate(kv):
+        W = (prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features,
+                                           cfg.head_dim, k.dtype) if kernel == "prf" else None)
+        if fit is None:
+            B, b = prompt_kernels.prompt_state(kernel, _repeat(cfg, k[:, :, sinks:]),
+                                               _repeat(cfg, v[:, :, sinks:]), W)
+        else:
+            B, b = _solve(*fit[l], ridge, k.dtype)
+        layers[f"layers_{l}"] = {"attn": {"approx": PromptApprox(
+            B=B, b=b, W=W, sink_k=k[:, :, :sinks] if sinks else None, sink_v=v[:, :, :sinks] if sinks else None,
+            sink_pos=jnp.arange(sinks, dtype=jnp.int32) if sinks else None, kernel=kernel,
+            lam=None if form == "shared" else float(lam))}}
+    return {**variables, ICLCA: {**layers, "offset": jnp.asarray(n, jnp.int32)}}
+
+
+@functools.lru_cache(maxsize=16)
+def _fit_fn(model, kernel: str, sinks: int, n: int):
+    """jit(variables, tokens, Ws) -> per layer (A [H, R, F], Y [H, R, d+1]): the weighted regression
+    rows phi(q_r) / M_r and targets [N_r, Z_r] / M_r, M_r being the query's total softmax mass."""
+    cfg = config_of(model)
+    names = [f"blocks.{l}.attn.hook_{s}" for l in range(cfg.n_layers) for s in ("q", "v", "attn_scores")]
+
+    def run(variables, tokens, Ws):
+        _, acts = capture(model, variables, tokens, names=names)
+        T = tokens.shape[1]
+        out = []
+        for l in range(cfg.n_layers):
+            q = jnp.swapaxes(acts[names[3 * l]], 1, 2)  # [m, H, T, d]
+            if cfg.positions == "rope":
+                q = apply_rope(q, jnp.arange(T), cfg.rope_base, cfg.rope_style)
+            v = _repeat(cfg, jnp.swapaxes(acts[names[3 * l + 1]], 1, 2))[:, :, sinks:n]
+            s = acts[names[3 * l + 2]][:, :, n:, :]  # rows of the input queries, all keys
+            visible = jnp.arange(T)[None, :] <= (n + jnp.arange(T - n))[:, None]
+            log_mass = jax.nn.logsumexp(jnp.where(visible, s, -jnp.inf), axis=-1)  # [m, H, t]
+            w = jnp.exp(s[..., sinks:n] - log_mass[..., None])  # e^{s_i} / M, prompt part
+            Y = jnp.concatenate([jnp.einsum("bhti,bhid->bhtd", w, v), w.sum(-1, keepdims=True)], -1)
+            phi = prompt_kernels.features(kernel, q[:, :, n:], Ws[l]) * jnp.exp(-log_mass)[..., None]
+            R = phi.shape[0] * phi.shape[2]
+            out.append((jnp.swapaxes(phi, 0, 1).reshape(cfg.n_heads, R, -1),
+                        jnp.swapaxes(Y, 0, 1).reshape(cfg.n_heads, R, -1)))
+        return out
+    return jax.jit(run)
+
+
+def _fit_targets(model, variables, prompt, fit_inputs, kernel, sinks, n_features, seed):
+    cfg = config_of(model)
+    if prompt.shape[0] != 1:
+        raise LiniclError("fit_inputs needs a batch-1 prompt")
+    fit_inputs = jnp.asarray(check_tokens("fit_inputs", fit_inputs, cfg.vocab_size))
+    n, m = prompt.shape[1], fit_inputs.shape[0]
+    check_fits("fit_inputs", n, fit_inputs.shape[1], cfg.max_len, "the model's positions")
+    key = jax.random.PRNGKey(seed)
+    Ws = [prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features, cfg.head_dim,
+                                        cfg.jnp_dtype) if kernel == "prf" else None for l in range(cfg.n_layers)]
+    tokens = jnp.concatenate([jnp.broadcast_to(prompt, (m, n)), fit_inputs], axis=1)
+    return _fit_fn(model, kernel, sinks, n)(dict(variables), tokens, Ws)
+
+
+def _solve(A, Y, ridge: float, dtype):
+    """Per head: argmin ||A X - Y||^2 + ridge * mean(diag(A^T A)) ||X||^2 -> B [1, H, F, d], b [1, H, F]."""
+    A, Y = np.asarray(A, np.float64), np.asarray(Y, np.float64)
+    G = np.einsum("hrf,hrg->hfg", A, A)
+    reg = ridge * np.einsum("hff->h", G) / G.shape[-1]
+    X = np.linalg.solve(G + reg[:, None, None] * np.eye(G.shape[-1]), np.einsum("hrf,hrd->hfd", A, Y))
+    return jnp.asarray(X[None, :, :, :-1], dtype), jnp.asarray(X[None, :, :, -1], dtype)

@@ -21,14 +21,16 @@ has ``hook_attn_scores`` (scaled logits before the causal mask) and ``hook_patte
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import flax.linen as nn
+from flax import struct
 import jax
 import jax.numpy as jnp
 
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
-from linicl.kernels import feature_maps
+from linicl.kernels import feature_maps, prompt_kernels
 from linicl.kernels.linear_attention import LinearState, linear_attention
 from linicl.kernels.positions import apply_rope
 from linicl.kernels.softmax_attention import attention_logits, causal_mask
@@ -37,6 +39,29 @@ from linicl.nn.hooks import site
 ICLCA = "iclca"
 CACHE = "cache"
 _EMPTY_SLOT = jnp.iinfo(jnp.int32).max  # key position of an unfilled cache slot: later than any query
+
+
+@struct.dataclass
+class PromptApprox:
+    """A softmax layer's kernel-approximated prompt (``variables["iclca"][layer]["attn"]["approx"]``).
+
+    Attributes:
+      B: ``f[batch or 1, heads, F, d_head]``, b: ``f[batch or 1, heads, F]``: the prompt's bias terms.
+      W: positive-random-feature projections ``f[heads, m, d_head]`` (kernel ``"prf"``), else None.
+      sink_k, sink_v: ``f[batch or 1, kv_heads, s, d_head]`` prompt keys (rotated) and values kept
+        exact, with their positions ``sink_pos: int32[s]``; None when no token is kept.
+      kernel: ``"taylor2"``, ``"prf"`` or ``"elu+1"`` (static).
+      lam: None for the shared normaliser, else the fixed input weight of the lambda-mix (static).
+    """
+
+    B: jax.Array
+    b: jax.Array
+    W: Optional[jax.Array] = None
+    sink_k: Optional[jax.Array] = None
+    sink_v: Optional[jax.Array] = None
+    sink_pos: Optional[jax.Array] = None
+    kernel: str = struct.field(pytree_node=False, default="taylor2")
+    lam: Optional[float] = struct.field(pytree_node=False, default=None)
 
 
 def rebase_state(S: jax.Array, shift: int, base: float, style: str = "interleaved") -> jax.Array:
@@ -150,6 +175,12 @@ class Attention(nn.Module):
         decoding = _advancing(self, CACHE)
         if decoding:
             k, v, k_pos, overflow = self._update_cache(k, v, positions)
+        approx = self.get_variable(ICLCA, "approx") if self.has_variable(ICLCA, "approx") else None
+        if approx is not None and approx.sink_k is not None:  # prompt tokens kept exact
+            B = q.shape[0]
+            k = jnp.concatenate([jnp.broadcast_to(approx.sink_k, (B,) + approx.sink_k.shape[1:]).astype(k.dtype), k], 2)
+            v = jnp.concatenate([jnp.broadcast_to(approx.sink_v, (B,) + approx.sink_v.shape[1:]).astype(v.dtype), v], 2)
+            k_pos = jnp.concatenate([approx.sink_pos.astype(k_pos.dtype), k_pos])
         k, v = self._repeat_kv(k), self._repeat_kv(v)
         logits = site(self, "hook_attn_scores", attention_logits(q, k), pos_axis=2, head_axis=1,
                       context={"q": q, "k": k, "q_pos": positions, "k_pos": k_pos})
@@ -158,12 +189,35 @@ class Attention(nn.Module):
         visible = (causal_mask(positions, k_pos) if cfg.causal
                    else jnp.broadcast_to(k_pos[None, :] != _EMPTY_SLOT, (positions.shape[0], k_pos.shape[0])))
         logits = jnp.where(visible, logits, -jnp.inf)
-        pattern = site(self, "hook_pattern", jax.nn.softmax(logits, axis=-1), pos_axis=2, head_axis=1)
-        o = jnp.einsum("bhts,bhsd->bhtd", pattern, v.astype(pattern.dtype)).astype(v.dtype)
+        if approx is None:
+            pattern = site(self, "hook_pattern", jax.nn.softmax(logits, axis=-1), pos_axis=2, head_axis=1)
+            o = jnp.einsum("bhts,bhsd->bhtd", pattern, v.astype(pattern.dtype))
+        else:
+            o = self._with_prompt(approx, q, logits, v)
+        o = o.astype(v.dtype)
         if decoding:
             # Under jit a full cache cannot raise; make the overflow visible instead of wrong.
             o = jnp.where(overflow, jnp.nan, o)
         return o
+
+    def _with_prompt(self, approx, q, logits, v):
+        """Softmax attention over the visible keys plus a kernel-approximated prompt (``iclca``
+        collection, ``approx``: see ``linicl.iclca.convert_approx``). ``hook_pattern`` then holds the
+        weights of the real keys; 1 minus its row sum is the prompt's share."""
+        B = q.shape[0]
+        phi_q = prompt_kernels.features(approx.kernel, q, approx.W)
+        N, Z = prompt_kernels.prompt_terms(phi_q.astype(logits.dtype),
+                                           jnp.broadcast_to(approx.B, (B,) + approx.B.shape[1:]).astype(logits.dtype),
+                                           jnp.broadcast_to(approx.b, (B,) + approx.b.shape[1:]).astype(logits.dtype))
+        if approx.lam is None:  # one normaliser shared by the prompt and the input
+            weights, c = prompt_kernels.shared_softmax(logits, Z)
+            pattern = site(self, "hook_pattern", weights, pos_axis=2, head_axis=1)
+            return jnp.einsum("bhts,bhsd->bhtd", pattern, v.astype(pattern.dtype)) + c[..., None] * N
+        # The lambda-mix: lam * softmax over the input + (1 - lam) * the prompt's kernel attention.
+        pattern = site(self, "hook_pattern", approx.lam * jax.nn.softmax(logits, axis=-1), pos_axis=2,
+                       head_axis=1)
+        return (jnp.einsum("bhts,bhsd->bhtd", pattern, v.astype(pattern.dtype))
+                + (1 - approx.lam) * N / Z[..., None])
 
     def _update_cache(self, k, v, positions):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
