@@ -129,6 +129,12 @@ def any_configs(draw, **fixed) -> linicl.ModelConfig:
     """Linear or softmax float64 configs."""
     if draw(st.booleans()):
         return draw(linear_configs(**fixed))
+    return draw(softmax_configs(**fixed))
+
+
+@st.composite
+def softmax_configs(draw, **fixed) -> linicl.ModelConfig:
+    """Softmax float64 configs over positions, norms, block forms, MLPs and grouped-query heads."""
     n_heads = draw(st.sampled_from([1, 2, 3]))
     values = dict(vocab_size=draw(st.integers(6, 40)), d_model=n_heads * draw(st.sampled_from([4, 6])),
                   n_layers=draw(st.integers(1, 3)), n_heads=n_heads, d_ff=8, max_len=128,

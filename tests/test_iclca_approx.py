@@ -1,0 +1,138 @@
+"""The approximate conversion of a softmax prompt (iclca.convert_approx).
+
+What is exact is tested as exact (a linear model, a prompt kept entirely as sink tokens, decoding
+after a conversion); what is approximate is tested for the properties the theory predicts (the Taylor
+kernel's error falls with the logit scale; a least-squares fit beats the fixed kernels on its sample).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, strategies as st
+
+import linicl
+from linicl import iclca
+from linicl.errors import LiniclError, NotExactError, SequenceTooLongError
+from helpers import BASELINE_MIN, EXACT_RTOL, softmax_configs, apply, examples, init, linear_configs, rel_err, tokens
+
+
+def _prompted(model, variables, prompt, query):
+    n = prompt.shape[1]
+    full = jnp.concatenate([jnp.broadcast_to(prompt, (query.shape[0], n)), query], axis=1)
+    return apply(model, variables, full)[:, n:]
+
+
+@examples(0.3)
+@given(cfg=linear_configs(max_layers=2), seed=st.integers(0, 2**16))
+def test_linear_models_get_the_exact_conversion(cfg, seed):
+    model, variables = init(cfg, seed)
+    prompt = tokens(seed, 1, 7, cfg.vocab_size)
+    approx = iclca.convert_approx(model, variables, prompt, kernel="prf", sinks=2)
+    exact = iclca.convert(model, variables, prompt)
+    same = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), approx, exact)
+    assert all(jax.tree_util.tree_leaves(same))
+
+
+@examples(0.4)
+@given(cfg=softmax_configs(), n=st.integers(1, 10), m=st.integers(1, 6),
+       kernel=st.sampled_from(["taylor2", "prf", "elu+1"]), seed=st.integers(0, 2**16))
+def test_a_prompt_kept_as_sink_tokens_is_exact(cfg, n, m, kernel, seed):
+    """With every prompt token kept exact nothing is linearised: the conversion is exact."""
+    model, variables = init(cfg, seed)
+    prompt, query = tokens(seed, 1, n, cfg.vocab_size), tokens(seed + 1, 2, m, cfg.vocab_size)
+    converted = iclca.convert_approx(model, variables, prompt, kernel=kernel, sinks=n)
+    target = _prompted(model, variables, prompt, query)
+    assert rel_err(apply(model, converted, query), target) <= EXACT_RTOL
+    assert rel_err(apply(model, variables, query), target) >= BASELINE_MIN
+
+
+def _one_layer(alpha: float, seed: int = 0):
+    """A one-layer softmax model whose query/key kernels are scaled by alpha: logits scale by alpha^2."""
+    cfg = linicl.ModelConfig(attention="softmax", positions="rope", n_layers=1, d_model=16, n_heads=2,
+                             vocab_size=32, dtype="float64")
+    model, variables = init(cfg, seed)
+    params = jax.tree_util.tree_map(lambda x: x, variables["params"])
+    for n in "qk":
+        params["layers_0"]["attn"][n]["kernel"] = alpha * params["layers_0"]["attn"][n]["kernel"]
+    return model, {"params": params}
+
+
+def test_taylor_error_falls_with_the_logit_scale():
+    """e^s - (1 + s + s^2/2) = O(s^3): halving q and k quarters the logits, so the error of the
+    prompt terms should fall by about 4^3 = 64 per step; we require a factor 8 (the output error also
+    contains the input part, which is exact)."""
+    prompt, query = tokens(1, 1, 16, 32), tokens(2, 2, 6, 32)
+    errors = []
+    for alpha in (1.0, 0.5, 0.25):
+        model, variables = _one_layer(alpha)
+        converted = iclca.convert_approx(model, variables, prompt, kernel="taylor2")
+        errors.append(rel_err(apply(model, converted, query), _prompted(model, variables, prompt, query)))
+    assert errors[0] > 8 * errors[1] > 64 * errors[2] > 0
+    model, variables = _one_layer(0.25)
+    dropped = rel_err(apply(model, variables, query), _prompted(model, variables, prompt, query))
+    assert errors[2] < 1e-3 * dropped  # the approximation keeps the prompt's effect
+
+
+@pytest.mark.parametrize("kernel", ["elu+1", "taylor2"])
+def test_least_squares_beats_the_fixed_kernel_on_its_own_sample(kernel):
+    model, variables = _one_layer(1.0)
+    prompt, inputs = tokens(3, 1, 20, 32), tokens(4, 24, 8, 32)
+    target = _prompted(model, variables, prompt, inputs)
+    summed = iclca.convert_approx(model, variables, prompt, kernel=kernel)
+    fitted = iclca.convert_approx(model, variables, prompt, kernel=kernel, fit_inputs=inputs)
+    err_sum = rel_err(apply(model, summed, inputs), target)
+    err_fit = rel_err(apply(model, fitted, inputs), target)
+    assert err_fit < 0.8 * err_sum  # measured: 0.14 vs 0.24 (elu+1)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
+def test_decoding_after_conversion_matches_the_full_forward(preset):
+    """The converted prompt and a decode cache compose: one token at a time equals one pass."""
+    cfg = linicl.preset(preset, dtype="float64")
+    model, variables = init(cfg, 5)
+    converted = iclca.convert_approx(model, variables, tokens(6, 1, 9, cfg.vocab_size), kernel="prf", sinks=2)
+    query = tokens(7, 2, 5, cfg.vocab_size)
+    full = apply(model, converted, query)
+    step = jax.jit(lambda v, t: model.apply(v, t, mutable=["cache"]))
+    v, outs = converted, []
+    for t in range(query.shape[1]):
+        out, cache = step(v, query[:, t:t + 1])
+        v = {**v, **cache}
+        outs.append(out)
+    assert rel_err(jnp.concatenate(outs, axis=1), full) <= EXACT_RTOL
+
+
+def test_shapes_dtypes_and_learned_offset():
+    cfg = linicl.preset("tiny-gpt2", dtype="float32", n_kv_heads=2)
+    model, variables = init(cfg, 0)
+    converted = iclca.convert_approx(model, variables, tokens(0, 1, 5, cfg.vocab_size), kernel="prf",
+                                     n_features=32, sinks=1)
+    approx = converted["iclca"]["layers_0"]["attn"]["approx"]
+    assert approx.B.shape == (1, cfg.n_heads, 32, cfg.head_dim) and approx.B.dtype == jnp.float32
+    assert approx.sink_k.shape == (1, 2, 1, cfg.head_dim) and iclca.offset_of(converted) == 5
+    out = apply(model, converted, tokens(1, 3, 4, cfg.vocab_size))
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_bad_arguments_are_refused():
+    cfg = linicl.preset("tiny-gpt2", dtype="float64", max_len=16)
+    model, variables = init(cfg, 0)
+    prompt = tokens(0, 1, 6, cfg.vocab_size)
+    for kwargs, match in [(dict(kernel="cosine"), "kernel must be one of"),
+                          (dict(form="concat"), "form must be one of"),
+                          (dict(form="mix", lam=1.5), "lam must lie in"),
+                          (dict(sinks=7), "sinks must be an int in \\[0, 6\\]"),
+                          (dict(form="mix", sinks=6), "at least one linearised")]:
+        with pytest.raises(LiniclError, match=match):
+            iclca.convert_approx(model, variables, prompt, **kwargs)
+    with pytest.raises(SequenceTooLongError):
+        iclca.convert_approx(model, variables, tokens(0, 1, 16, cfg.vocab_size))
+    converted = iclca.convert_approx(model, variables, prompt)
+    with pytest.raises(LiniclError, match="already hold"):
+        iclca.convert_approx(model, converted, prompt)
+    with pytest.raises(LiniclError, match="batch-1 prompt"):
+        iclca.convert_approx(model, variables, tokens(0, 2, 6, cfg.vocab_size), fit_inputs=prompt)
+    with pytest.raises(NotExactError, match="convert_approx"):
+        iclca.convert(model, variables, prompt)
