@@ -169,6 +169,10 @@ class Attention(nn.Module):
     # ------------------------------------------------------------------ softmax attention
     def _softmax(self, q, k, v, positions):
         cfg = self.cfg
+        # Context of an "fn" edit at hook_attn_scores: the rotated q, k it scores (repeated to every
+        # head) and the projections before rope, [batch, seq, heads, d_head] (keys: kv_heads; this
+        # call's tokens only, so not when a cache adds earlier keys).
+        raw = {"q_proj": jnp.swapaxes(q, 1, 2), "k_proj": jnp.swapaxes(k, 1, 2)}
         if cfg.positions == "rope":
             q, k = (apply_rope(a, positions, cfg.rope_base, cfg.rope_style) for a in (q, k))
         k_pos = positions
@@ -183,7 +187,8 @@ class Attention(nn.Module):
             k_pos = jnp.concatenate([approx.sink_pos.astype(k_pos.dtype), k_pos])
         k, v = self._repeat_kv(k), self._repeat_kv(v)
         logits = site(self, "hook_attn_scores", attention_logits(q, k), pos_axis=2, head_axis=1,
-                      context={"q": q, "k": k, "q_pos": positions, "k_pos": k_pos})
+                      context={"q": q, "k": k, "q_pos": positions, "k_pos": k_pos,
+                               **({} if decoding or approx is not None else raw)})
         # Causal: a key is visible from queries at or after its position. Non-causal: every filled
         # key (an unfilled cache slot is never visible).
         visible = (causal_mask(positions, k_pos) if cfg.causal
