@@ -48,7 +48,7 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Optional[jax.Array] = None, *, embeds: Optional[jax.Array] = None,
-                 hidden: bool = False) -> jax.Array:
+                 hidden: bool = False, first_layer: int = 0) -> jax.Array:
         """``tokens: int32[batch, seq]`` -> logits ``f[batch, seq, vocab]``.
 
         Args:
@@ -56,15 +56,21 @@ class Transformer(nn.Module):
             tokens, e.g. in-context regression; learned positions are still added).
           hidden: return the final hidden state ``f[batch, seq, d_model]`` (after the final norm, if
             any) instead of logits.
+          first_layer: run only the blocks from this one on; ``embeds`` is then the residual stream
+            entering it (``blocks.{first_layer}.hook_resid_pre``, positional embeddings included). A
+            cached prefix: methods that edit only late layers (routing) need not recompute the rest.
         """
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         embed = self.param("embed", _EMBED_INIT, (cfg.vocab_size, cfg.d_model), dt)
+        if not 0 <= first_layer < cfg.n_layers or (first_layer and embeds is None):
+            raise LiniclError(f"first_layer must lie in [0, {cfg.n_layers}) and, when > 0, come with "
+                              f"embeds (the residual entering that block); got {first_layer}")
         x = self._inputs(embed, tokens, embeds)
         positions = self._positions(x.shape[1])
-        if cfg.positions == "learned":
+        if cfg.positions == "learned" and first_layer == 0:
             pos_embed = self.param("pos_embed", _EMBED_INIT, (cfg.max_len, cfg.d_model), dt)
             x = x + site(self, "hook_pos_embed", take_rows(pos_embed, positions)[None])
-        for layer in range(cfg.n_layers):
+        for layer in range(first_layer, cfg.n_layers):
             x = Block(cfg, name=f"layers_{layer}")(x, positions)
         if cfg.has_final_norm:
             x = site(self, "ln_final.hook_normalized", make_norm(cfg, "ln_f")(x))
