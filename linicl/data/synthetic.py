@@ -1,0 +1,151 @@
+"""Synthetic in-context tasks as pure functions of a PRNG key (jit- and vmap-able).
+
+Both generators return a ``TokenBatch`` of next-token training data: the model reads ``inputs`` and is
+trained to predict ``targets`` at every position; ``mask`` marks the positions that can be predicted
+*from the context* (the in-context accuracy is the accuracy there).
+
+* ``induction_batch``: the repeated random sequence of iclca.md section 8. A sequence of ``seq_len``
+  tokens is ``h = seq_len / 2`` uniform random tokens followed by the same ``h`` tokens again;
+  ``inputs = seq[:-1]``, ``targets = seq[1:]``. At input position t >= h the current token is
+  ``seq[t - h]`` and the target is ``seq[t - h + 1]``, the token that followed its first occurrence:
+  an induction head predicts it. Those positions are the mask (``h - 1`` of them). The first repeated
+  token ``seq[h]`` (the target at t = h - 1) has no cue in the context and is not masked.
+* ``recall_batch``: associative recall. ``n_pairs`` key-value pairs ``k_1 v_1 ... k_n v_n`` then a
+  query key ``q = k_j``; the answer is ``v_j``. Keys are distinct tokens of ``[0, vocab_size // 2)``,
+  values uniform tokens of ``[vocab_size // 2, vocab_size)``, so the answer is unique.
+
+Sizes are static Python ints: validate them eagerly (``LiniclError`` naming the argument), then trace.
+Under ``jax.jit`` pass them as static arguments (``functools.partial`` or ``static_argnames``); under
+``jax.vmap`` map over the key only::
+
+    gen = jax.jit(functools.partial(induction_batch, batch=32, seq_len=64, vocab_size=64))
+    b = gen(jax.random.PRNGKey(0))                           # inputs int32[32, 63]
+    bs = jax.vmap(gen)(jax.random.split(key, 4))             # inputs int32[4, 32, 63]
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linicl.errors import LiniclError
+
+__all__ = ["TokenBatch", "induction_batch", "recall_batch", "induction_mask"]
+
+
+class TokenBatch(NamedTuple):
+    """Next-token data. ``inputs``, ``targets``: ``int32[batch, L]``; ``mask``: ``bool[batch, L]``, True
+    where the target is predictable from the context (the in-context positions)."""
+
+    inputs: jax.Array
+    targets: jax.Array
+    mask: jax.Array
+
+
+def _size(name: str, value, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise LiniclError(f"{name} must be a Python int (a static size), got {type(value).__name__} "
+                          f"{value!r}; under jit pass it as a static argument")
+    if value < minimum:
+        raise LiniclError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def induction_mask(seq_len: int) -> jax.Array:
+    """``bool[seq_len - 1]``: the input positions t >= seq_len / 2 of an induction sequence, whose
+    target is predictable by induction (see the module docstring)."""
+    _size("seq_len", seq_len, 4)
+    if seq_len % 2:
+        raise LiniclError(f"seq_len must be even (two copies of seq_len / 2 tokens), got {seq_len}")
+    return jnp.arange(seq_len - 1) >= seq_len // 2
+
+
+def induction_batch(key: jax.Array, batch: int, seq_len: int, vocab_size: int,
+                    distinct: bool = False) -> TokenBatch:
+    """The repeated-random-sequence induction task.
+
+    Args:
+      key: a PRNG key (``jax.random.PRNGKey`` or ``jax.random.key``).
+      batch: number of sequences, >= 1.
+      seq_len: length T of each full sequence, even and >= 4: T/2 random tokens, then the same again.
+      vocab_size: tokens are drawn from ``[0, vocab_size)``, >= 2.
+      distinct: draw the T/2 tokens of a sequence without replacement (needs T/2 <= vocab_size), so
+        that every in-context target is unambiguous; by default they are i.i.d. uniform, and a token
+        that occurs twice in the first half has two candidate successors.
+    Returns:
+      ``TokenBatch`` with ``inputs = seq[:, :-1]``, ``targets = seq[:, 1:]`` (``int32[batch, T - 1]``)
+      and ``mask`` (``bool[batch, T - 1]``): True at input positions t >= T/2.
+    Raises:
+      LiniclError: a size that is not a Python int, too small, odd ``seq_len``, or ``distinct`` with
+        ``seq_len / 2 > vocab_size``.
+    """
+    _size("batch", batch, 1)
+    induction_mask(seq_len)
+    _size("vocab_size", vocab_size, 2)
+    if distinct and seq_len // 2 > vocab_size:
+        raise LiniclError(f"distinct=True draws seq_len / 2 = {seq_len // 2} different tokens, more "
+                          f"than vocab_size = {vocab_size}")
+    return _induction(key, batch, seq_len, vocab_size, bool(distinct))
+
+
+# The generators proper, jitted with static sizes: an eager call compiles once per size instead of
+# once per operation; inside an outer jit they are inlined.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _induction(key, batch: int, seq_len: int, vocab_size: int, distinct: bool) -> TokenBatch:
+    half = seq_len // 2
+    if distinct:
+        # A uniformly random ordering of the vocabulary per row; its first `half` entries are a
+        # uniform draw without replacement.
+        order = jnp.argsort(jax.random.uniform(key, (batch, vocab_size)), axis=-1)
+        first = order[:, :half].astype(jnp.int32)
+    else:
+        first = jax.random.randint(key, (batch, half), 0, vocab_size, dtype=jnp.int32)
+    seq = jnp.concatenate([first, first], axis=1)
+    mask = jnp.arange(seq_len - 1) >= half
+    return TokenBatch(seq[:, :-1], seq[:, 1:], jnp.broadcast_to(mask, (batch, seq_len - 1)))
+
+
+def recall_batch(key: jax.Array, batch: int, n_pairs: int, vocab_size: int) -> TokenBatch:
+    """Associative recall: ``k_1 v_1 ... k_n v_n q`` with ``q = k_j`` for a uniform j; predict ``v_j``.
+
+    Args:
+      key: a PRNG key.
+      batch: number of sequences, >= 1.
+      n_pairs: key-value pairs per sequence, >= 1 and <= vocab_size // 2 (keys are distinct).
+      vocab_size: keys come from ``[0, vocab_size // 2)``, values from ``[vocab_size // 2,
+        vocab_size)``; >= 4.
+    Returns:
+      ``TokenBatch`` of length ``L = 2 * n_pairs + 1``: ``inputs`` the whole sequence
+      (``int32[batch, L]``); ``targets[:, t] = inputs[:, t + 1]`` for t < L - 1 and the answer
+      ``v_j`` at the last (query) position; ``mask`` True at the query position only. The answer is
+      ``targets[:, -1]``; which pair was queried is ``argmax(inputs[:, 0:-1:2] == inputs[:, -1:])``.
+    Raises:
+      LiniclError: a size that is not a Python int or too small, or ``n_pairs > vocab_size // 2``.
+    """
+    _size("batch", batch, 1)
+    _size("n_pairs", n_pairs, 1)
+    _size("vocab_size", vocab_size, 4)
+    if n_pairs > vocab_size // 2:
+        raise LiniclError(f"n_pairs = {n_pairs} distinct keys do not fit in the key vocabulary "
+                          f"[0, vocab_size // 2 = {vocab_size // 2})")
+    return _recall(key, batch, n_pairs, vocab_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _recall(key, batch: int, n_pairs: int, vocab_size: int) -> TokenBatch:
+    n_keys = vocab_size // 2
+    k_key, k_val, k_query = jax.random.split(key, 3)
+    keys = jnp.argsort(jax.random.uniform(k_key, (batch, n_keys)), axis=-1)[:, :n_pairs].astype(jnp.int32)
+    values = jax.random.randint(k_val, (batch, n_pairs), n_keys, vocab_size, dtype=jnp.int32)
+    j = jax.random.randint(k_query, (batch,), 0, n_pairs)
+    query = jnp.take_along_axis(keys, j[:, None], axis=1)
+    answer = jnp.take_along_axis(values, j[:, None], axis=1)
+    pairs = jnp.stack([keys, values], axis=-1).reshape(batch, 2 * n_pairs)
+    inputs = jnp.concatenate([pairs, query], axis=1)
+    targets = jnp.concatenate([pairs[:, 1:], query, answer], axis=1)
+    L = 2 * n_pairs + 1
+    mask = jnp.broadcast_to(jnp.arange(L) == L - 1, (batch, L))
+    return TokenBatch(inputs, targets, mask)
