@@ -35,6 +35,8 @@ test: venv-test
 
 bench: venv-test
 	$(PY) experiments/benchmarks/iclca_speed.py
+	$(PY) experiments/benchmarks/implicit_speed.py
+	$(PY) experiments/benchmarks/lm_speed.py
 
 lock: venv-test
 	$(PIP) freeze --exclude-editable | grep -v '^linicl' > constraints.txt

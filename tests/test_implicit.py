@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given, reject, strategies as st
 from jax.experimental import checkify
 
 import linicl
@@ -80,6 +80,27 @@ def block_and_inputs(cfg, seed, batch, T):
     return variables["params"]["layers_0"], jnp.asarray(Z)
 
 
+_EXAMPLES = [0]
+
+
+def fresh(every: int = 8):
+    """Call at the start of each example: every few examples drop the compiled functions. Each
+    example compiles new models; a long (thorough) session otherwise accumulates executables until
+    the process runs out of memory mappings (vm.max_map_count) and crashes inside XLA's compiler."""
+    _EXAMPLES[0] += 1
+    if _EXAMPLES[0] % every == 0:
+        jax.clear_caches()
+        for cached in (_model_fn, _captured, implicit._convert_fn):
+            cached.cache_clear()
+
+
+def defined(*trees):
+    """Discard an example whose update is undefined: the theorem needs f != 0, and bias-free relu
+    features can make the attention output of a token alone exactly 0 (f = A(x) in the plain and
+    Dherin blocks). Such updates are NaN under jit (and raise eagerly: tested separately)."""
+    assume(all(np.all(np.isfinite(np.asarray(a))) for t in trees for a in jax.tree.leaves(t)))
+
+
 def second_singular(m) -> float:
     """s_1 / s_0 of a matrix (0 for the zero matrix)."""
     s = np.linalg.svd(np.asarray(m), compute_uv=False)
@@ -112,9 +133,11 @@ def _block_fn(cfg, bp, Z, reference):
 @given(cfg=configs(), T=st.integers(1, 24), reference=st.sampled_from(implicit.REFERENCES),
        seed=st.integers(0, 2**16))
 def test_every_block_and_position_is_exact_and_rank_one(cfg, T, reference, seed):
+    fresh()
     model, variables = model_and_variables(cfg, seed)
     toks = tokens(seed, 2, T, cfg.vocab_size)
     mu, implied, dense, unpatched = _model_fn(model, reference)(variables, toks)
+    defined(mu.update.u)
     out = mu.pieces.out
     for layer in range(cfg.n_layers):
         # The patched block on its reference token alone gives the with-context output, at every
@@ -143,8 +166,10 @@ def test_every_block_and_position_is_exact_and_rank_one(cfg, T, reference, seed)
 @examples(0.3)
 @given(cfg=block_forms(), T=st.integers(2, 16), seed=st.integers(0, 2**16), data=st.data())
 def test_the_rank_one_update_is_the_minimal_norm_solution(cfg, T, seed, data):
+    fresh()
     bp, Z = block_and_inputs(cfg, seed, 1, T)
     pcs, upd, _, _, _ = _block_fn(cfg, bp, Z, "query")
+    defined(upd.u)
     i = data.draw(st.integers(0, T - 1))
     f, g = np.asarray(pcs.f[0, 0]), np.asarray(pcs.g[0, i])
     W = np.asarray(implicit.first_matrices(cfg, bp)["fc_in"])
@@ -181,8 +206,10 @@ def _alone_out(cfg, bp, x):
 def test_special_cases_of_dherin_and_innocenti_achour(cfg, T, seed):
     """The general rule ΔW = W(g - f)fᵀ/‖f‖², Δb' = q - p reduces to the papers' formulas, written here
     with the attention output A (site hook_attn_out) and the block input z (Δz_i = z_i - x)."""
+    fresh()
     bp, Z = block_and_inputs(cfg, seed, 2, T)
     pcs, upd, implied, ctx, ref = _block_fn(cfg, bp, Z, "query")
+    defined(upd.u)
     W = implicit.first_matrices(cfg, bp)["fc_in"]
     dW, db = implicit.dense(upd)["fc_in"], upd.delta_b
     dA = ctx["hook_attn_out"] - ref["hook_attn_out"]         # ΔA_(i) = A(C, x)_(i) - A(x)
@@ -212,6 +239,7 @@ def test_special_cases_of_dherin_and_innocenti_achour(cfg, T, seed):
        data=st.data())
 def test_subcontext_update_of_dherin(cfg, n, contiguous, seed, data):
     """T_W(C, x) = T_{W + ΔW(Y)}(C∖Y, x) for Y ⊂ C, contiguous or not; Y = C is the full update."""
+    fresh()
     bp, Z = block_and_inputs(cfg, seed, 1, n + 1)
     Z = Z[0]
     if contiguous:
@@ -220,7 +248,10 @@ def test_subcontext_update_of_dherin(cfg, n, contiguous, seed, data):
     else:
         Y = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n)))
     pcs, rest = implicit.subcontext(cfg, bp, Z, Y)
-    patched = implicit.patch(cfg, bp, implicit.update(cfg, bp, pcs).at(0))
+    try:
+        patched = implicit.patch(cfg, bp, implicit.update(cfg, bp, pcs).at(0))
+    except DegenerateInputError:
+        reject()  # A(C∖Y, x) = 0: the theorem's condition fails (see ``defined``)
     full = pcs.out[0]
     assert rel_err(_block_out(cfg, patched, rest)[-1], full) <= EXACT_RTOL
     assert rel_err(_block_out(cfg, bp, rest)[-1], full) >= BASELINE_MIN  # power: without ΔW(Y)
@@ -250,10 +281,12 @@ def _trajectory_fn(cfg, bp, Z, order):
 @examples(0.3)
 @given(cfg=block_forms(positions="none", decay=None), n=st.integers(2, 14), seed=st.integers(0, 2**16))
 def test_implicit_gradient_descent_telescopes_and_ends_where_the_context_does(cfg, n, seed):
+    fresh()
     bp, Z = block_and_inputs(cfg, seed, 1, n + 1)
     Z = Z[0]
     order = jnp.asarray(np.random.default_rng(seed).permutation(n))
     traj, permuted, full, implied = _trajectory_fn(cfg, bp, Z, order)
+    defined(traj.update.u)
     # Discard the rare example whose context does not move the block at all, or whose f vanishes
     # (e.g. relu features of a bias-free projection that are all zero: A(x) = 0 whatever the context).
     assume(np.max(np.abs(traj.g[-1] - traj.g[0])) > BASELINE_MIN * np.max(np.abs(traj.g)))
@@ -285,6 +318,7 @@ def test_implicit_gradient_descent_telescopes_and_ends_where_the_context_does(cf
 @examples(0.6)
 @given(cfg=configs(), n=st.integers(0, 20), seed=st.integers(0, 2**16), data=st.data())
 def test_convert_puts_the_context_into_the_weights(cfg, n, seed, data):
+    fresh()
     model, variables = model_and_variables(cfg, seed)
     # Context from the upper half of the vocabulary, query from the lower half (as helpers does).
     half = cfg.vocab_size // 2
@@ -293,7 +327,10 @@ def test_convert_puts_the_context_into_the_weights(cfg, n, seed, data):
     full = apply(model, variables, jnp.concatenate([context, query])[None])[0]
     position = data.draw(st.one_of(st.none(), st.integers(0, n)))
     i = n if position is None else position
-    patched = implicit.convert(model, variables, context, query, position=position)
+    try:
+        patched = implicit.convert(model, variables, context, query, position=position)
+    except DegenerateInputError:
+        reject()  # f = 0 in some block (see ``defined``)
     out = apply(model, patched, query[None])[0, -1]
     assert rel_err(out, full[i]) <= EXACT_RTOL
     if not (n == 0 or (i == 0 and cfg.positions != "learned")):  # otherwise nothing to absorb
@@ -310,8 +347,14 @@ def test_convert_puts_the_context_into_the_weights(cfg, n, seed, data):
             key = jax.tree_util.keystr(path)
             if not (any(f"'{m}']['kernel" in key for m in names) or "'fc_out']['bias" in key):
                 np.testing.assert_array_equal(leaf, flat_old[path], err_msg=key)
-        change = np.concatenate([np.asarray(new["mlp"][m]["kernel"] - old["mlp"][m]["kernel"]) for m in names], 1)
-        assert second_singular(change) <= 1e-10  # the kernel difference carries the rounding of W + ΔW
+        stored = np.concatenate([np.asarray(new["mlp"][m]["kernel"]) for m in names], 1)
+        change = stored - np.concatenate([np.asarray(old["mlp"][m]["kernel"]) for m in names], 1)
+        # Rank 1 up to the rounding of the stored W + ΔW (elementwise <= eps |W + ΔW|): by Weyl's
+        # inequality the second singular value of the difference is at most that rounding's norm. (A
+        # ratio s_1/s_0 would fail when ΔW itself is at rounding level, e.g. position 0 without
+        # positions, where nothing is absorbed.)
+        s = np.linalg.svd(change, compute_uv=False)
+        assert s[1] <= 2 * np.finfo(stored.dtype).eps * np.linalg.norm(stored)
     # The vector form (two additive edits per block, no weight change) is the same patch.
     edits = implicit.convert_edits(model, variables, context, query, position=position)
     assert rel_err(apply(model, with_edits(variables, edits), query[None])[0, -1], full[i]) <= EXACT_RTOL
@@ -347,6 +390,7 @@ def unnormalised_linear(draw):
 def test_linear_attention_context_term_is_the_stored_state(cfg, n, seed):
     """Unnormalised linear attention: ΔA = A(C, x) - A(x) = W_O (γ ⊙ Sᵀφ(q)) with S the ICLCA state of
     the context, and feeding that ΔA to the block on x alone reproduces the block with context."""
+    fresh()
     model, variables = model_and_variables(cfg, seed)
     context, query = tokens(seed + 1, 1, n, cfg.vocab_size), tokens(seed + 2, 1, 1, cfg.vocab_size)
     states = iclca.bias_terms(iclca.convert(model, variables, context))
@@ -355,6 +399,7 @@ def test_linear_attention_context_term_is_the_stored_state(cfg, n, seed):
         bp = variables["params"][f"layers_{layer}"]
         x = acts["hook_resid_pre"][layer, 0, -1]
         closed, A_x, shifted, out = _closed_form(cfg, bp, S[0], x)
+        defined(out)
         with_context = acts["hook_attn_out"][layer, 0, -1]
         dA = with_context - A_x                                   # two forward passes
         if not np.any(dA):  # relu features all zero for this query: no context term at all

@@ -1,0 +1,324 @@
+"""Innocenti & Achour (arXiv 2512.11255) on in-context linear regression: Fig. 1, A.3, A.1, A.2.
+
+A 5-block causal softmax transformer (3 heads, d_model = d_x + 1 = 3, GELU MLP 3->12->12->3, no
+attention biases, MLP biases, no positions, no final norm; ``--ln pre`` for the pre-LN Fig. A.3) is
+trained with Adam (5e-2, 100 steps, 128 fresh tasks of N = 51 tokens per step) on the last
+coordinate of the last token. At every step t (t = 0 is the initialisation) a fresh test batch gives:
+
+* the test loss of the model and of the paper's implicit model (the last block patched with the
+  last-token update, run on its contextualised query alone);
+* per block: the Frobenius (= spectral: rank 1) norm of the last-token ΔW, mean over tasks.
+
+At ``--msd-steps`` (1, 50, 100): per block the mean squared difference (Eq. 35) between the block
+with context and the patched block on its query alone, over every task, position and coordinate;
+the largest absolute difference; rank(Σ_i ΔW_i); the smallest ‖f‖; and the test loss of the whole
+network with every block patched (what ``linicl.implicit.convert`` builds), run on the raw query alone. At ``--align-steps`` (0, 50, 90):
+the token alignment maps DA(ΔW_i, ΔW_j) of every block for 3 tasks (Fig. A.1) and the last-token
+cross-block maps (Fig. A.2). Metrics are computed on the fly: no array of every update over training.
+
+Writes ``OUT/implicit_regression_<ln>_<dtype>.json`` (every number, the wall time and peak memory)
+and PNG plots. Differences from the reference code: Flax's default initialisation (lecun-normal
+kernels, zero biases) instead of Equinox's; no ``+1e-8`` in the denominator (a vanishing ‖f‖ raises).
+"""
+
+from __future__ import annotations
+
+import time
+
+_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+
+
+from linicl.timing import FAST_COMPILE, QUICK_COMPILE, peak_rss_mb  # noqa: E402
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/implicit", help="results folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a few steps on a small batch (CI)")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--ln", choices=("none", "pre"), default="none", help="block norms (pre: Fig. A.3)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=128, help="tasks per step (train and test)")
+    p.add_argument("--n-tokens", type=int, default=51, help="N: context pairs + the query")
+    p.add_argument("--d-x", type=int, default=2)
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 5e-2; 1e-1 for <= 2 layers)")
+    p.add_argument("--msd-steps", default="1,50,100", help="steps with the per-block MSD")
+    p.add_argument("--align-steps", default="0,50,90", help="steps with the alignment maps")
+    p.add_argument("--align-tasks", type=int, default=3)
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.batch, args.n_tokens, args.msd_steps, args.align_steps = 4, 16, 11, "1,4", "0,2"
+    if args.lr is None:
+        args.lr = 1e-1 if args.layers <= 2 else 5e-2
+    args.msd_steps = sorted({int(s) for s in args.msd_steps.split(",") if int(s) <= args.steps})
+    args.align_steps = sorted({int(s) for s in args.align_steps.split(",") if int(s) <= args.steps})
+    return args
+
+
+def build(args):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import linicl
+    from linicl import implicit
+    from linicl.data import regression
+
+    every_step = FAST_COMPILE if args.quick else QUICK_COMPILE  # quick mode: compiling dominates
+    cfg = linicl.ModelConfig(vocab_size=1, d_model=args.d_x + 1, n_layers=args.layers, n_heads=args.heads,
+                             d_ff=4 * (args.d_x + 1), mlp_depth=3, max_len=max(args.n_tokens, 2),
+                             attention="softmax", positions="none", norm=args.ln, skip="residual",
+                             final_norm=False, activation="gelu_tanh", attn_bias=False, mlp_bias=True,
+                             causal=True, ln_eps=1e-5, dtype=args.dtype)
+    model = linicl.Transformer(cfg)
+    dt, L, d_x = cfg.jnp_dtype, cfg.n_layers, args.d_x
+    tasks = lambda key: regression.sample(key, args.batch, args.n_tokens, d_x, dtype=dt)  # noqa: E731
+    hidden = lambda v, x: model.apply(v, embeds=x, hidden=True)  # noqa: E731
+    opt = optax.adam(args.lr)
+
+    def train_loss(params, batch):
+        return regression.loss(regression.readout(hidden({"params": params}, batch.tokens), d_x), batch.target)
+
+    def train_step(params, opt_state, key):
+        value, grads = jax.value_and_grad(train_loss)(params, tasks(key))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    def last_block_last_token(variables, mu):
+        """The paper's implicit model: block L patched with the last-token update, on x_L alone."""
+        bp = variables["params"][f"layers_{L - 1}"]
+        one = jax.tree.map(lambda a: a[L - 1], mu.update)
+        x = mu.pieces.x[L - 1][:, -1]
+
+        def task(u, v, db, xb):
+            upd = implicit.Update(u, v, db).at(-1)
+            return implicit.alone(cfg, implicit.patch(cfg, bp, upd), xb)["hook_resid_post"]
+        return jax.vmap(task)(one.u, one.v, one.delta_b, x)
+
+    def losses(variables, key):
+        batch = tasks(key)
+        mu = implicit.updates(model, variables, embeds=batch.tokens)
+        model_pred = mu.pieces.out[L - 1][:, -1, d_x]
+        paper_pred = last_block_last_token(variables, mu)[:, d_x]
+        fro = implicit.frobenius(mu.update)[:, :, -1]                          # [L, B]
+        return dict(model=regression.loss(model_pred, batch.target),
+                    implicit_last_block=regression.loss(paper_pred, batch.target),
+                    dW_fro_last_token=fro.mean(axis=1))
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def exactness(variables, key):
+        batch = tasks(key)
+        mu = implicit.updates(model, variables, embeds=batch.tokens)
+        diff = implicit.implied_all(model, variables, mu) - mu.pieces.out        # [L, B, N, d]
+        summed = {k: u.sum(axis=2) for k, u in mu.update.u.items()}             # Σ_i ΔW_i = (Σ_i u_i) vᵀ
+        dense_sum = implicit.dense(implicit.Update(summed, mu.update.v[:, :, 0], mu.update.delta_b[:, :, 0]))
+        s = jnp.linalg.svd(dense_sum["fc_in"], compute_uv=False)               # [L, B, min(h, d)]
+        rank = jnp.sum(s > s[..., :1] * 10 * jnp.finfo(dt).eps * max(s.shape[-1], 4), axis=-1)
+        f_norm = jnp.linalg.norm(mu.pieces.f[..., 0, :], axis=-1)              # [L, B]
+        g_over_f = jnp.max(jnp.linalg.norm(mu.pieces.g, axis=-1), axis=-1) / f_norm
+        # The whole network, every block patched with its last-token update, on the raw query alone.
+        # Without positions the query's own block-1 input is the last token's, so these are the
+        # patches implicit.convert builds (tested to be so); reusing them saves a compile.
+        def network(upd, query):
+            params = dict(variables["params"])
+            for l in range(L):
+                one = jax.tree.map(lambda a: a[l], upd).at(-1)
+                params[f"layers_{l}"] = implicit.patch(cfg, params[f"layers_{l}"], one)
+            return hidden({"params": params}, query[None, None])[0, -1, d_x]
+        net_pred = jax.vmap(network, in_axes=(1, 0))(mu.update, batch.tokens[:, -1])
+        model_pred = mu.pieces.out[L - 1][:, -1, d_x]
+        # Alignment maps (Figs. A.1, A.2) of the first tasks: every token pair of every block, and
+        # the last-token updates of every block pair.
+        first = jax.tree.map(lambda a: a[:, :args.align_tasks], mu.update)
+        last = implicit.Update({k: jnp.swapaxes(u[:, :, -1], 0, 1) for k, u in first.u.items()},
+                               jnp.swapaxes(first.v[:, :, 0], 0, 1), first.delta_b[0, :, :1])
+        return dict(align_tokens=implicit.alignment(first), align_blocks=implicit.alignment(last),
+                    loss_model=regression.loss(model_pred, batch.target),
+                    loss_implicit_network=regression.loss(net_pred, batch.target),
+                    network_max_abs_err=jnp.max(jnp.abs(net_pred - model_pred)),
+                    msd=jnp.mean(jnp.square(diff), axis=(1, 2, 3)), max_abs_err=jnp.max(jnp.abs(diff), axis=(1, 2, 3)),
+                    out_scale=jnp.max(jnp.abs(mu.pieces.out), axis=(1, 2, 3)),
+                    rank_sum_max=jnp.max(rank, axis=1), rank_sum_min=jnp.min(rank, axis=1),
+                    min_f_norm=jnp.min(f_norm, axis=1), max_g_over_f=jnp.max(g_over_f, axis=1))
+
+    @functools.partial(jax.jit, compiler_options=every_step)
+    def step(params, opt_state, train_key, test_key):
+        """The test metrics of ``params``, then one training step (one compiled call per step)."""
+        metrics = losses({"params": params}, test_key)
+        return (*train_step(params, opt_state, train_key), metrics)
+
+    def init(seed):
+        return regression.numpy_init(model, jnp.zeros((1, args.n_tokens, cfg.d_model), dt), seed)
+    return cfg, model, init, opt, step, exactness
+
+
+def run(args) -> dict:
+    import jax
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    cfg, model, init, opt, step, exactness = build(args)
+    key = jax.random.PRNGKey(args.seed)
+    k_train, k_test = jax.random.split(key)
+    params = init(args.seed)["params"]
+    opt_state = opt.init(params)
+    tolist = lambda tree: jax.tree.map(lambda a: np.asarray(a).tolist(), tree)  # noqa: E731
+    curves = {k: [] for k in ("train_loss", "model", "implicit_last_block", "dW_fro_last_token")}
+    msd, align = {}, {}
+    seconds = dict(step=0.0, probes=0.0)  # the first calls include compiling
+
+    def timed(name, fn, *a):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*a))
+        seconds[name] += time.perf_counter() - t0
+        return out
+
+    # Step t: the parameters after t Adam updates (t = 0: the initialisation), on a fresh test batch.
+    for t in tqdm(range(args.steps + 1), desc=f"train ({args.ln}-LN, {args.dtype})", disable=args.no_progress):
+        test_key = jax.random.fold_in(k_test, t)
+        if t in args.msd_steps or t in args.align_steps:
+            probe = tolist(timed("probes", exactness, {"params": params}, test_key))
+            maps = {k: probe.pop(k) for k in ("align_tokens", "align_blocks")}
+            if t in args.msd_steps:
+                msd[t] = probe
+            if t in args.align_steps:
+                align[t] = dict(tokens=maps["align_tokens"], blocks=maps["align_blocks"])
+        new_params, new_state, value, metrics = timed("step", step, params, opt_state,
+                                                      jax.random.fold_in(k_train, t + 1), test_key)
+        for k, val in metrics.items():
+            curves[k].append(np.asarray(val).tolist())
+        if t < args.steps:  # the last call only evaluates
+            params, opt_state = new_params, new_state
+            curves["train_loss"].append(float(value))
+    return dict(config=dict(vars(args), model=cfg.describe()), steps=list(range(args.steps + 1)),
+                curves=curves, msd_steps=msd, alignment_steps=align, seconds=seconds)
+
+
+def plot(report: dict, prefix: str) -> list:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    paths = []
+    c, steps = report["curves"], report["steps"]
+    ln, dtype = report["config"]["ln"], report["config"]["dtype"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(steps, c["model"], "-", lw=3, alpha=0.5, label="model (with context)")
+    a.plot(steps, c["implicit_last_block"], "--", label="implicit: last block, last token")
+    msd = report["msd_steps"]
+    if msd:
+        ts = sorted(msd, key=int)
+        a.plot([int(t) for t in ts], [msd[t]["loss_implicit_network"] for t in ts], "k^", ms=8,
+               label="implicit: whole network patched, on the query alone")
+    a.set(xlabel="training step", ylabel="test loss", title=f"{ln}-LN, {dtype}")
+    a.legend()
+    L = len(next(iter(msd.values()))["msd"]) if msd else 0
+    width = 0.8 / max(len(msd), 1)
+    for j, (t, row) in enumerate(sorted(msd.items(), key=lambda kv: int(kv[0]))):
+        vals = np.maximum(np.asarray(row["msd"]), 1e-300)
+        b.bar(np.arange(L) + j * width, vals, width, label=f"step {t}")
+    b.set(yscale="log", xlabel="block", ylabel="MSD (theory vs model)", title="per-block exactness (Eq. 35)")
+    b.set_xticks(np.arange(L) + width * (len(msd) - 1) / 2, [str(i + 1) for i in range(L)])
+    b.legend()
+    fig.tight_layout()
+    paths.append(f"{prefix}_fig1.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    align = report["alignment_steps"]
+    if align:
+        times = sorted(align, key=int)
+        tok = {t: np.asarray(align[t]["tokens"]) for t in times}          # [L, tasks, N, N]
+        L, n_tasks = tok[times[0]].shape[:2]
+        for task in range(n_tasks):
+            fig, axes = plt.subplots(len(times), L, figsize=(2.2 * L, 2.2 * len(times)), squeeze=False,
+                                     layout="constrained")
+            for r, t in enumerate(times):
+                for l in range(L):
+                    im = axes[r, l].imshow(tok[t][l, task], vmin=-1, vmax=1, cmap="RdBu_r")
+                    axes[r, l].set(xticks=[], yticks=[], title=f"block {l + 1}, t={t}")
+            fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6)
+            fig.suptitle(f"DA(ΔW_i, ΔW_j) between token positions, task {task}")
+            paths.append(f"{prefix}_align_tokens_task{task}.png")
+            fig.savefig(paths[-1], dpi=90)
+            plt.close(fig)
+        fig, axes = plt.subplots(len(times), n_tasks, figsize=(2.6 * n_tasks, 2.6 * len(times)), squeeze=False,
+                                 layout="constrained")
+        for r, t in enumerate(times):
+            blocks = np.asarray(align[t]["blocks"])
+            for task in range(n_tasks):
+                im = axes[r, task].imshow(blocks[task], vmin=-1, vmax=1, cmap="RdBu_r")
+                ticks = range(blocks.shape[-1])
+                axes[r, task].set(title=f"task {task}, t={t}", xticks=ticks, yticks=ticks,
+                                  xticklabels=[str(i + 1) for i in ticks], yticklabels=[str(i + 1) for i in ticks])
+        fig.suptitle("DA of the last-token updates between blocks")
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6)
+        paths.append(f"{prefix}_align_blocks.png")
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
+
+    fro = np.asarray(c["dW_fro_last_token"])                                # [steps + 1, L]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for l in range(fro.shape[1]):
+        ax.plot(steps, fro[:, l], label=f"block {l + 1}")
+    ax.set(yscale="log", xlabel="training step", ylabel="‖ΔW_N‖_F (= spectral, rank 1)",
+           title="last-token update norm, mean over tasks")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(f"{prefix}_norms.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import jax
+    if args.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    report = run(args)
+    report["wall_s"] = time.perf_counter() - _START  # process start to here: imports, compiles, run
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    report["cpu_s"] = usage.ru_utime + usage.ru_stime
+    report["peak_rss_mb"] = peak_rss_mb()
+    report["machine"] = dict(platform=platform.platform(), jax=jax.__version__, cpu_count=os.cpu_count(),
+                             devices=str(jax.devices()))
+    os.makedirs(args.out, exist_ok=True)
+    prefix = os.path.join(args.out, f"implicit_regression_{args.ln}_{args.dtype}")
+    with open(prefix + ".json", "w") as f:
+        json.dump(report, f)
+    c = report["curves"]
+    print(f"{report['config']['model']}: {args.steps} steps in {report['wall_s']:.1f} s "
+          f"({report['cpu_s']:.1f} s CPU; " + ", ".join(f"{k} {v:.1f} s" for k, v in report["seconds"].items())
+          + f"), peak RSS {report['peak_rss_mb']:.0f} MB")
+    print(f"test loss at the end: model {c['model'][-1]:.4f}, implicit (last block, last token) "
+          f"{c['implicit_last_block'][-1]:.4f}")
+    for t, row in sorted(report["msd_steps"].items()):
+        print(f"step {t:4d}  MSD per block " + " ".join(f"{m:.2e}" for m in row["msd"])
+              + f"  (max |diff| {max(row['max_abs_err']):.1e}, rank Σ_i ΔW_i <= {max(row['rank_sum_max'])}; "
+              f"whole network: loss {row['loss_implicit_network']:.4f} vs {row['loss_model']:.4f}, "
+              f"max |diff| {row['network_max_abs_err']:.1e})")
+    if not args.no_plots:
+        paths = plot(report, prefix)
+        print("wrote " + prefix + ".json and " + ", ".join(os.path.basename(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
