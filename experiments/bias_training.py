@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from linicl.config import ModelConfig
 from linicl.data.synthetic import induction_batch, recall_batch
 from linicl.errors import LiniclError
+from linicl.iclca import nonnegative_z_bias
 from linicl.interventions import capture
 from linicl.kernels import feature_maps
 from linicl.nn import Transformer
@@ -197,13 +198,6 @@ def denominators(cfg: ModelConfig, params, acts) -> dict:
     return jax.lax.stop_gradient(out)
 
 
-def project_nonneg_b(params):
-    """Clip every ``z_bias`` to >= 0 (the ``"project"`` arm's constraint b >= 0)."""
-    flat = traverse_util.flatten_dict(params)
-    return traverse_util.unflatten_dict({k: jnp.maximum(v, 0) if k[-1] == "z_bias" else v
-                                         for k, v in flat.items()})
-
-
 class ArmFns(NamedTuple):
     model: Transformer
     opt: optax.GradientTransformation
@@ -241,7 +235,7 @@ def make_fns(opts: dict, trainable_bias: bool) -> ArmFns:
         metrics["grad_norm"] = optax.global_norm(grads)
         params = optax.apply_updates(params, updates)
         if trainable_bias:
-            params = jax.tree.map(lambda new, old: jnp.where(nonneg, new, old), project_nonneg_b(params), params)
+            params = jax.tree.map(lambda new, old: jnp.where(nonneg, new, old), nonnegative_z_bias(params), params)
         return (params, opt_state, data_key), metrics
 
     def chunk(params, opt_state, data_key, start, nonneg):

@@ -122,6 +122,20 @@ def to_trainable(model, converted: Variables):
     return trainable, {**rest, "params": params}
 
 
+def nonnegative_z_bias(params):
+    """``params`` with every trainable ``z_bias`` clipped to >= 0: the projection step of projected
+    gradient descent on the trainable bias terms (apply it after each optimiser update).
+
+    A free ``z_bias`` can drive a normaliser phi(q).z to zero or below (the ICLCA Fig. 1 training
+    collapses that way; experiments/bias_training.py). With non-negative feature maps (elu+1, relu,
+    ...) ``z_bias >= 0`` keeps every bias contribution to the normaliser >= 0. Other leaves are
+    returned unchanged (the same arrays)."""
+    def clip(path, leaf):
+        last = path[-1]
+        return jnp.maximum(leaf, 0) if getattr(last, "key", None) == "z_bias" else leaf
+    return jax.tree_util.tree_map_with_path(clip, params)
+
+
 def strip(variables: Variables) -> dict:
     """The variables without any stored prompt (the no-prompt model)."""
     return {k: v for k, v in variables.items() if k != ICLCA}

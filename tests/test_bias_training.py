@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from linicl.iclca import nonnegative_z_bias
 from linicl.kernels import feature_maps
 from linicl.nn import Transformer
 
@@ -95,7 +96,7 @@ def test_denominators_are_the_models():
     neg["layers_1"]["attn"]["z_bias"] = -100.0 * jnp.ones_like(params["layers_1"]["attn"]["z_bias"])
     summary = denominators(cfg, neg, run(neg))
     assert float(summary["den_min"]) < 0 and float(summary["z_bias_min"]) == -100.0
-    clipped = bt.project_nonneg_b(neg)
+    clipped = nonnegative_z_bias(neg)
     assert float(clipped["layers_1"]["attn"]["z_bias"].min()) == 0.0
     np.testing.assert_array_equal(clipped["layers_0"]["attn"]["S_bias"], neg["layers_0"]["attn"]["S_bias"])
 

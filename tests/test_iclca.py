@@ -130,6 +130,24 @@ def test_trainable_bias_is_zero_initialised_and_receives_gradients():
     assert np.any(grads["layers_0"]["attn"]["S_bias"]) and np.any(grads["layers_1"]["attn"]["z_bias"])
 
 
+def test_nonnegative_z_bias_clips_only_z_bias():
+    cfg = linicl.preset("tiny-linear", dtype="float64", trainable_bias=True)
+    model = linicl.Transformer(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"]
+    noisy = jax.tree.map(lambda a: a + jax.random.normal(jax.random.PRNGKey(1), a.shape, a.dtype), params)
+    clipped = jax.jit(linicl.iclca.nonnegative_z_bias)(noisy)
+    flat, flat_noisy = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (clipped, noisy))
+    n_z = 0
+    for path, leaf in flat.items():
+        if path[-1].key == "z_bias":
+            n_z += 1
+            assert np.min(flat_noisy[path]) < 0  # power: there was something to clip
+            np.testing.assert_array_equal(leaf, np.maximum(flat_noisy[path], 0))
+        else:
+            np.testing.assert_array_equal(leaf, flat_noisy[path])
+    assert n_z == cfg.n_layers
+
+
 def test_float32_conversion_is_exact_to_float32_rounding():
     """float32: eps = 1.2e-7. Prompted and converted models add the same ~n terms per state in a
     different order, so we expect errors of a few hundred eps at most; 1e-4 leaves a margin while the
