@@ -1,26 +1,37 @@
 """In-Context Routing on a real LM: PIDs and a router trained once on in-domain tasks, evaluated
 zero-shot on in-domain and out-of-domain tasks (routing.md, a reduced version of the paper's setup).
 
-Steps:
+Steps (each timed; ``timings`` in the JSON holds the wall seconds per phase and in total):
 1. PIDs: last-token q/k of class-balanced few-shot prompts of the in-domain (ID) tasks (training
    splits), PCA per routed layer (the last third), rank ``--rank``.
-2. Router: trained on zero-shot queries of the ID tasks' training splits (the paper's objective).
-3. Evaluation on the test splits of ID tasks and of out-of-domain (OOD) tasks never used in 1-2:
-   zero-shot, few-shot, ICR, ICR with a random orthogonal basis (the paper's control), and a task
-   vector (few-shot minus zero-shot mean last-token residual at the middle layer, added at the query's
-   last token; built from each task's own training split).
+2. Caching: one frozen forward per zero-shot training query (the residual entering the first routed
+   layer and the zero-shot entropy), shared by every router trained below.
+3. Training: the router on those queries (the paper's objective); with ``--random-basis`` (default) a
+   second router on random orthonormal bases of the same shapes (the paper's control).
+4. Evaluation on the test splits of ID tasks and of out-of-domain (OOD) tasks never used in 1-3:
+   zero-shot, few-shot, ICR, ICR with a random basis, and a task vector (few-shot minus zero-shot mean
+   last-token residual at the middle layer, added at the query's last token; built from each task's
+   own training split, ``linicl.routing.task_vector``).
 
 Reported: accuracy per task and method, ID and OOD averages, collapses (tasks where a method scores
-below zero-shot), timings. Writes ``OUT/routing.json`` and ``OUT/routing.png``; PIDs and router to OUT.
+below zero-shot), whether ICR meets the targets (no collapse; ID average >= 5 points over zero-shot).
+Writes ``OUT/routing.json``, ``OUT/routing.md`` (the table, also printed) and ``OUT/routing.png``.
+
+Nothing long is lost: the PIDs (``OUT/pids.npz``), the training state (``OUT/ckpt/*.msgpack``, every
+``--checkpoint-every`` steps), the routers (``OUT/router*.msgpack``) and each finished task's row
+(``OUT/progress.json``) are written as soon as they exist. ``--resume`` reuses whatever an earlier run
+with the same settings left in OUT (a fingerprint of the settings guards against mixing runs).
 
     python experiments/routing.py --quick           # minutes on 2 CPU cores (CI)
-    python experiments/routing.py                    # the documented full run
+    python experiments/routing.py                    # full sizes
     python experiments/routing.py --model DIR        # an HF GPT-2/Llama checkpoint instead of SmolLM2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -49,6 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--shots", type=int, default=4, help="demos in the few-shot baseline prompts")
     p.add_argument("--tv-prompts", type=int, default=32, help="prompts per task for the task vector")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-basis", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train and evaluate the random-orthonormal-basis control (doubles training)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="router training steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="reuse what a run with the same settings left in --out")
     p.add_argument("--quick", action="store_true", help="tiny sizes for CI")
     p.add_argument("--out", default="results/routing")
     p.add_argument("--no-progress", action="store_true")
@@ -108,16 +123,22 @@ def random_pids(pids, seed: int):
     return dataclasses.replace(pids, U_q=rand(pids.U_q), U_k=rand(pids.U_k), meta={**pids.meta, "random": True})
 
 
-def train(model, variables, tokenizer, tasks, pids, args):
+def prepare(model, variables, tokenizer, tasks, pids, args):
+    """The cached zero-shot training queries of the ID tasks (``linicl.routing.prepare``)."""
     from linicl import routing
     prompts, answers = [], []
     for task in tasks:
         ps, template = zero_shot_prompts(task, tokenizer, args.train, args.seed)
         prompts += ps
         answers += [tokenizer.encode(template.label_prefix + p.label)[0] for p in ps]
-    data = routing.prepare(model, variables, prompts, answers, pids, progress=not args.no_progress)
+    return routing.prepare(model, variables, prompts, answers, pids, progress=not args.no_progress)
+
+
+def train(model, variables, pids, data, args, checkpoint):
+    from linicl import routing
     return routing.train_router(model, variables, pids, data, epochs=args.epochs, batch_size=args.batch,
-                                lr=args.lr, seed=args.seed, progress=not args.no_progress)
+                                lr=args.lr, seed=args.seed, progress=not args.no_progress,
+                                checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
 
 
 def evaluate_task(model, variables, tokenizer, task, methods: dict, args) -> dict:
@@ -136,16 +157,17 @@ def evaluate_task(model, variables, tokenizer, task, methods: dict, args) -> dic
     fs = few_shot_prompts(task, tokenizer, args.tv_prompts, args.shots, args.seed + 1)
     zs_train, _ = zero_shot_prompts(task, tokenizer, args.tv_prompts, args.seed + 1)
     vector = routing.task_vector(model, variables, fs, zs_train, layer)
-    n = min(args.n_eval, len(task.test))
-    row["task-vector"] = evaluate(model, variables, tokenizer, task, k=0, edits=edits_for(layer),
-                                  extras=np.tile(vector.astype(np.float32), (n, 1)), **common).accuracy
+    # One vector per evaluated prompt through ``extras``: the edits function is the same object for
+    # every task, so the task-vector forward compiles once per length bucket, not once per task.
+    row["task-vector"] = evaluate(model, variables, tokenizer, task, k=0,
+                                  edits=routing.task_vector_edits(None, layer),
+                                  extras=np.tile(vector.astype(np.float32), (zs.n, 1)), **common).accuracy
     row["n"] = zs.n
     row["metric"] = zs.metric
     return row
 
 
 _FORWARDS: dict = {}
-_EDITS: dict = {}
 
 
 def forward_for(model, pids, router):
@@ -157,18 +179,6 @@ def forward_for(model, pids, router):
     return _FORWARDS[key]
 
 
-def edits_for(layer):
-    """Add each row's vector (``extras``: [batch, d_model]) after ``layer`` at its last token; one
-    function per layer, so every task reuses the compiled forward."""
-    from linicl import interventions as I
-    if layer not in _EDITS:
-        def edits(tokens, lengths, vectors):
-            return [I.add(f"blocks.{layer}.hook_resid_post", vectors[:, None, :],
-                          positions=I.at_last(lengths, tokens.shape[1]))]
-        _EDITS[layer] = edits
-    return _EDITS[layer]
-
-
 def summarise(results: dict, id_tasks, ood_tasks) -> dict:
     methods = [m for m in next(iter(results.values())) if m not in ("n", "metric")]
     out = {}
@@ -178,7 +188,40 @@ def summarise(results: dict, id_tasks, ood_tasks) -> dict:
             out[group] = {m: float(np.mean([results[t][m] for t in names])) for m in methods}
     out["collapses"] = {m: int(sum(results[t][m] < results[t]["zero-shot"] for t in results))
                         for m in methods if m != "zero-shot"}
+    out["collapsed_tasks"] = {m: [t for t in results if results[t][m] < results[t]["zero-shot"]]
+                              for m in methods if m != "zero-shot"}
+    if "ICR" in methods and "ID" in out:
+        gain = 100 * (out["ID"]["ICR"] - out["ID"]["zero-shot"])
+        out["targets"] = {"ICR_collapses": out["collapses"]["ICR"], "no_collapses": out["collapses"]["ICR"] == 0,
+                          "ICR_ID_gain_points": gain, "ID_gain_at_least_5_points": bool(gain >= 5.0)}
     return out
+
+
+def table(results: dict, summary: dict, id_tasks, ood_tasks) -> str:
+    """The result table (accuracy in %) as Markdown: one row per task, the group averages and the
+    number of collapses (tasks where a method is below zero-shot)."""
+    methods = [m for m in next(iter(results.values())) if m not in ("n", "metric")]
+    head = "| task | group | n | " + " | ".join(methods) + " |"
+    lines = [head, "|" + "---|" * (3 + len(methods))]
+    for group, names in (("ID", id_tasks), ("OOD", ood_tasks)):
+        for t in names:
+            if t in results:
+                r = results[t]
+                lines.append(f"| {t} | {group} | {r['n']} | " + " | ".join(f"{100 * r[m]:.1f}" for m in methods) + " |")
+    for group in ("ID", "OOD", "all"):
+        if group in summary:
+            lines.append(f"| **{group} average** | | | "
+                         + " | ".join(f"{100 * summary[group][m]:.1f}" for m in methods) + " |")
+    lines.append("| **collapses** | | | " + " | ".join(
+        "-" if m == "zero-shot" else str(summary["collapses"][m]) for m in methods) + " |")
+    if "targets" in summary:
+        t = summary["targets"]
+        lines.append("")
+        lines.append(f"Targets for ICR: no collapses: {'met' if t['no_collapses'] else 'NOT met'} "
+                     f"({t['ICR_collapses']}: {', '.join(summary['collapsed_tasks']['ICR']) or 'none'}); "
+                     f"ID average {t['ICR_ID_gain_points']:+.1f} points over zero-shot "
+                     f"(>= 5: {'met' if t['ID_gain_at_least_5_points'] else 'NOT met'}).")
+    return "\n".join(lines)
 
 
 def plot(results, summary, path):
@@ -200,48 +243,137 @@ def plot(results, summary, path):
     fig.savefig(path, dpi=120)
 
 
+FINGERPRINT_IGNORES = ("out", "no_progress", "resume", "checkpoint_every", "data_dir")
+
+
+def fingerprint(args) -> str:
+    """A hash of every setting that changes a result (not the output folder or the progress bars)."""
+    settings = {k: v for k, v in sorted(vars(args).items()) if k not in FINGERPRINT_IGNORES}
+    return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+class Progress:
+    """``OUT/progress.json``: the settings' fingerprint, finished phases with their wall seconds, and
+    finished tasks' rows; rewritten (atomically) after every step, read back by ``--resume``."""
+
+    def __init__(self, out: str, fp: str, resume: bool):
+        self.path = os.path.join(out, "progress.json")
+        self.state = {"fingerprint": fp, "timings": {}, "results": {}, "eval_task_s": {}, "history": {}}
+        if resume and os.path.exists(self.path):
+            with open(self.path) as f:
+                old = json.load(f)
+            if old.get("fingerprint") == fp:
+                self.state = old
+            else:
+                print(f"--resume: {self.path} is from other settings ({old.get('fingerprint')} != {fp}); "
+                      "starting afresh", file=sys.stderr)
+        self.resumed = bool(self.state["timings"] or self.state["results"])
+
+    def done(self, phase: str) -> bool:
+        return f"{phase}_s" in self.state["timings"]
+
+    def save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.state, f, indent=1)
+        os.replace(tmp, self.path)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a phase and record it when it finishes."""
+        t0 = time.perf_counter()
+        yield
+        self.state["timings"][f"{name}_s"] = time.perf_counter() - t0
+        self.save()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    t_session = time.perf_counter()
     import linicl
     from linicl import routing
     os.makedirs(args.out, exist_ok=True)
-    timings = {}
+    fp = fingerprint(args)
+    prog = Progress(args.out, fp, args.resume)
+    timings = prog.state["timings"]
+    out = lambda name: os.path.join(args.out, name)  # noqa: E731
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+
     t0 = time.perf_counter()
     model, variables, tokenizer = load_model(args.model)
-    timings["load_s"] = time.perf_counter() - t0
     id_tasks = [linicl.data.load_task(t, args.data_dir) for t in args.id_tasks.split(",") if t]
     ood_tasks = [linicl.data.load_task(t, args.data_dir) for t in args.ood_tasks.split(",") if t]
+    timings["load_s"] = timings.get("load_s", 0.0) + time.perf_counter() - t0  # paid again on resume
+    log(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s; settings {fp}")
 
-    t0 = time.perf_counter()
-    pids = build_pids(model, variables, tokenizer, id_tasks, args)
-    pids.save(os.path.join(args.out, "pids"))
-    timings["pids_s"] = time.perf_counter() - t0
+    if prog.done("pids") and os.path.exists(out("pids.npz")):
+        pids = routing.PIDs.load(out("pids.npz"))
+    else:
+        with prog.phase("pids"):
+            pids = build_pids(model, variables, tokenizer, id_tasks, args)
+            pids.save(out("pids"))
+    log(f"PIDs: {timings['pids_s']:.1f} s, layers {pids.layers}, rank {pids.rank}, "
+        f"{pids.meta['n_prompts']} prompts")
 
-    t0 = time.perf_counter()
-    router, params, history = train(model, variables, tokenizer, id_tasks, pids, args)
-    routing.save_router(os.path.join(args.out, "router"), router, params)
-    rand = random_pids(pids, args.seed)
-    _, rand_params, rand_history = train(model, variables, tokenizer, id_tasks, rand, args)
-    timings["train_s"] = time.perf_counter() - t0
+    arms = {"ICR": (pids, "router")}
+    if args.random_basis:
+        arms["ICR-random-basis"] = (random_pids(pids, args.seed), "router_random_basis")
+    trained = {name: os.path.exists(out(f"{file}.msgpack")) and prog.done(f"training_{name}")
+               for name, (_, file) in arms.items()}
+    if not all(trained.values()):
+        with prog.phase("caching"):  # paid again on resume (the cache is large), cheap next to training
+            data = prepare(model, variables, tokenizer, id_tasks, pids, args)
+        log(f"caching: {timings['caching_s']:.1f} s, {len(data.y)} queries of <= {data.h0.shape[1]} tokens")
+    methods = {}
+    for name, (arm_pids, file) in arms.items():
+        if trained[name]:
+            router, params = routing.load_router(out(f"{file}.msgpack"))
+        else:
+            with prog.phase(f"training_{name}"):
+                router, params, history = train(model, variables, arm_pids, data, args,
+                                                out(f"ckpt/{file}.msgpack"))
+                routing.save_router(out(file), router, params)
+                prog.state["history"][name] = history
+            log(f"training {name}: {timings[f'training_{name}_s']:.1f} s, final loss {history[-1]['loss']:.3f}")
+        methods[name] = (arm_pids, router, params)
+    timings["training_s"] = sum(timings[f"training_{name}_s"] for name in arms)
 
-    t0 = time.perf_counter()
-    methods = {"ICR": (pids, router, params), "ICR-random-basis": (rand, router, rand_params)}
-    results = {}
     from tqdm.auto import tqdm
+    results, task_s = prog.state["results"], prog.state["eval_task_s"]
     for task in tqdm(id_tasks + ood_tasks, desc="evaluate", disable=args.no_progress):
+        if task.name in results:
+            continue
+        t0 = time.perf_counter()
         results[task.name] = evaluate_task(model, variables, tokenizer, task, methods, args)
-        print(task.name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[task.name].items()},
-              file=sys.stderr)
-    timings["eval_s"] = time.perf_counter() - t0
-    summary = summarise(results, [t.name for t in id_tasks], [t.name for t in ood_tasks])
-    record = {"args": vars(args), "model": model.cfg.describe(), "routed_layers": list(pids.layers),
+        task_s[task.name] = time.perf_counter() - t0
+        prog.save()
+        log(f"{task.name} ({task_s[task.name]:.1f} s):",
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[task.name].items()})
+    timings["eval_s"] = sum(task_s.values())
+    timings["total_s"] = sum(v for k, v in timings.items() if k in
+                             ("load_s", "pids_s", "caching_s", "training_s", "eval_s"))
+    timings["this_session_s"] = time.perf_counter() - t_session
+    prog.save()
+
+    id_names, ood_names = [t.name for t in id_tasks], [t.name for t in ood_tasks]
+    results = {t: results[t] for t in id_names + ood_names}  # the order of the tasks, also on resume
+    summary = summarise(results, id_names, ood_names)
+    text = table(results, summary, id_names, ood_names)
+    command = "python experiments/routing.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    record = {"args": vars(args), "command": command, "fingerprint": fp, "resumed": prog.resumed,
+              "model": model.cfg.describe(), "routed_layers": list(pids.layers),
               "pids_explained_q": pids.explained_q.tolist(), "pids_explained_k": pids.explained_k.tolist(),
-              "results": results, "summary": summary, "history": history, "random_history": rand_history,
-              "timings": timings}
-    with open(os.path.join(args.out, "routing.json"), "w") as f:
+              "results": results, "summary": summary, "table": text,
+              "history": prog.state["history"].get("ICR", []),
+              "random_history": prog.state["history"].get("ICR-random-basis", []),
+              "timings": timings, "eval_task_s": task_s}
+    with open(out("routing.json"), "w") as f:
         json.dump(record, f, indent=1)
-    plot(results, summary, os.path.join(args.out, "routing.png"))
-    print(json.dumps({"summary": summary, "timings": timings}, indent=1))
+    with open(out("routing.md"), "w") as f:
+        f.write(f"`{command}` ({model.cfg.describe()}), wall time {timings['total_s'] / 60:.1f} min\n\n{text}\n")
+    plot(results, summary, out("routing.png"))
+    print(text)
+    print("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
     return 0
 
 

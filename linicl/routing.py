@@ -11,20 +11,25 @@ input-conditioned bias on the attention logits of the last third of the layers (
   few-shot prompts, per routed layer; ``PIDs.save`` / ``PIDs.load``.
 * ``Router``: a Flax module mapping a frozen representation of the zero-shot query to alpha = tanh(.)
   per layer and direction and gamma = sigmoid(.) per layer and head. The default representation is the
-  LM's own hidden state entering the first routed layer, mean-pooled over the query's tokens (the
-  forward pass computes it anyway; no sentence encoder is needed). The last layer of the alpha branch
+  LM's own hidden state entering the first routed layer, mean-pooled over the query's tokens but the
+  first (the attention sink; ``router_input``); the forward pass computes it anyway, so no sentence
+  encoder is needed. The last layer of the alpha branch
   starts at zero, so an untrained router is exactly the base model.
 * ``routing_edits``: the bias as ``linicl.interventions`` edits (an ``fn`` edit at each routed layer's
   ``hook_attn_scores``: added before the causal mask, so it never lets a query see a later key).
 * ``prepare``/``train_router``: the paper's objective (cross-entropy + confidence + depth-weighted
   sparsity + gate terms, alpha scaled by a cosine 1.0 -> 0.8, AdamW, gradient clipping). The residual
   stream entering the first routed layer does not depend on the router, so it is computed once per
-  query and training runs only the routed blocks (``Transformer(first_layer=...)``).
+  query and training runs only the routed blocks (``Transformer(first_layer=...)``). ``checkpoint=``
+  saves the training state as it goes and resumes from it.
 * ``icr_forward``: the ``forward`` hook of ``linicl.evaluate`` that applies a trained router.
+* ``task_vector``/``task_vector_edits``: the task-vector baseline (few-shot minus zero-shot mean
+  last-token residual at one layer, added at the query's last token).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -179,9 +184,16 @@ def routing_edits(pids: PIDs, alpha: jax.Array, gamma: jax.Array) -> list:
 
 
 def router_input(h: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Mean of ``h: [batch, seq, d]`` over each row's real tokens -> ``[batch, d]`` (float32)."""
-    real = (jnp.arange(h.shape[1])[None, :] < lengths[:, None])[..., None]
-    return (jnp.sum(jnp.where(real, h, 0), axis=1) / lengths[:, None]).astype(jnp.float32)
+    """Mean of ``h: [batch, seq, d]`` over each row's real tokens after the first -> ``[batch, d]``
+    (float32). The first token is left out (unless it is the only one): in pretrained LMs it is the
+    attention sink, whose residual is ~100x larger than the others' (SmolLM2: ~2.5e4 against ~2e2 from
+    layer 10 on) and the same for every prompt, so it would drown the query's content in the mean (the
+    mean-pooled features of different SST-2/AG News/CB queries have cosine 0.98 with it, 0.91 without)."""
+    pos = jnp.arange(h.shape[1])[None, :]
+    start = (lengths > 1).astype(lengths.dtype)[:, None]
+    real = ((pos < lengths[:, None]) & (pos >= start))[..., None]
+    count = (lengths[:, None] - start).astype(jnp.float32)
+    return (jnp.sum(jnp.where(real, h, 0).astype(jnp.float32), axis=1) / count).astype(jnp.float32)
 
 
 def _unembed(cfg: ModelConfig, params, h):
@@ -288,9 +300,14 @@ def alpha_schedule(progress: float, start: float = 1.0, end: float = 0.8) -> flo
 def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: int = 2, batch_size: int = 8,
                  lr: float = 1e-3, weight_decay: float = 1e-2, clip: float = 1.0, hidden: int = 256,
                  weights: LossWeights = LossWeights(), seed: int = 0, progress: bool = True,
-                 log_every: int = 10):
+                 log_every: int = 10, checkpoint=None, checkpoint_every: int = 50):
     """Train only the router (the LM's variables are constants of the loss). Returns ``(router,
-    params, history)`` with the loss terms logged every ``log_every`` steps."""
+    params, history)`` with the loss terms logged every ``log_every`` steps.
+
+    ``checkpoint``: a file path. Every ``checkpoint_every`` steps and at the end, the router params, the
+    optimiser state, the step and the history are written there (atomically); if the file exists when
+    training starts, training resumes from it and ends with the same params as an uninterrupted run
+    (the batch order is a function of ``seed`` and the epoch)."""
     from tqdm.auto import tqdm
     router, params = make_router(model, pids, hidden=hidden, seed=seed)
     tx = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(lr, weight_decay=weight_decay))
@@ -298,6 +315,10 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
     N = len(data.y)
     steps_per_epoch = max(1, N // batch_size)
     total = epochs * steps_per_epoch
+    history: list = []
+    start = 0
+    if checkpoint is not None and Path(checkpoint).exists():
+        start, params, opt, history = _load_training_state(checkpoint, params, opt, total)
 
     @jax.jit
     def step(params, opt, batch, scale):
@@ -307,13 +328,14 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
         return optax.apply_updates(params, updates), opt, logs
 
     rng = np.random.default_rng(seed)
-    history = []
-    bar = tqdm(total=total, desc="router", disable=not progress)
+    bar = tqdm(total=total, initial=start, desc="router", disable=not progress)
     for epoch in range(epochs):
-        order = rng.permutation(N)
+        order = rng.permutation(N)  # drawn for every epoch, also skipped ones: resuming keeps the order
         for s in range(steps_per_epoch):
-            idx = order[s * batch_size:(s + 1) * batch_size]
             t = epoch * steps_per_epoch + s
+            if t < start:
+                continue
+            idx = order[s * batch_size:(s + 1) * batch_size]
             batch = (jnp.asarray(data.h0[idx]), jnp.asarray(data.lengths[idx]), jnp.asarray(data.y[idx]),
                      jnp.asarray(data.H_zs[idx]))
             params, opt, logs = step(params, opt, batch, jnp.float32(alpha_schedule(t / max(1, total - 1))))
@@ -321,8 +343,35 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
                 history.append({"step": t, **{k: float(v) for k, v in logs.items()}})
                 bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
             bar.update(1)
+            if checkpoint is not None and ((t + 1) % checkpoint_every == 0 or t == total - 1):
+                _save_training_state(checkpoint, t + 1, params, opt, history, total)
     bar.close()
     return router, params, history
+
+
+def _save_training_state(path, step: int, params, opt, history, total: int) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"params": params, "opt": opt}
+    head = json.dumps({"step": step, "total": total, "history": history}).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(len(head).to_bytes(4, "little") + head + serialization.to_bytes(state))
+    tmp.replace(path)
+
+
+def _load_training_state(path, params, opt, total: int):
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:4], "little")
+        head = json.loads(raw[4:4 + n])
+        state = serialization.from_bytes({"params": params, "opt": opt}, raw[4 + n:])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path} is not a training checkpoint written by train_router: {e}") from None
+    if head["total"] != total:
+        raise DataError(f"{path} is a checkpoint of a {head['total']}-step run, this run has {total} steps "
+                        "(other data, epochs or batch size); delete it to start afresh")
+    return int(head["step"]), state["params"], state["opt"], list(head["history"])
 
 
 def save_router(path, router: Router, params) -> Path:
@@ -360,12 +409,31 @@ def task_vector(model, variables, few_shot, zero_shot, layer: int, *, batch_size
 
 
 def task_vector_edits(vector: Any, layer: int):
-    """An ``edits(tokens, lengths)`` function for ``linicl.evaluate``: add ``vector`` to the residual
-    after ``layer`` at each prompt's last token."""
-    from linicl.interventions import add, at_last
-    v = jnp.asarray(vector)
+    """An ``edits`` function for ``linicl.evaluate``: add a task vector to the residual after ``layer``
+    at each prompt's last token.
+
+    * ``vector: [d_model]``: ``edits(tokens, lengths)``, the vector is a constant of the compiled forward.
+    * ``vector=None``: ``edits(tokens, lengths, vectors)`` reading one vector per prompt from the
+      harness's ``extras`` (``[n_prompts, d_model]``). The function is the same object for every call
+      with this ``layer``, so evaluating many tasks (many vectors) compiles the forward once."""
+    if vector is None:
+        return _task_vector_extras_edits(int(layer))
+    v = jnp.asarray(vector, jnp.float32)
 
     def edits(tokens, lengths):
-        return [add(f"blocks.{layer}.hook_resid_post", v.astype(jnp.float32),
-                    positions=at_last(lengths, tokens.shape[1]))]
+        return _add_at_last(layer, v, tokens, lengths)
+    return edits
+
+
+def _add_at_last(layer, v, tokens, lengths):
+    from linicl.interventions import add, at_last
+    v = v if v.ndim == 1 else v[:, None, :]  # one vector for all rows, or one per row
+    return [add(f"blocks.{layer}.hook_resid_post", v.astype(jnp.float32),
+                positions=at_last(lengths, tokens.shape[1]))]
+
+
+@functools.lru_cache(maxsize=None)
+def _task_vector_extras_edits(layer: int):
+    def edits(tokens, lengths, vectors):
+        return _add_at_last(layer, jnp.asarray(vectors), tokens, lengths)
     return edits

@@ -136,3 +136,61 @@ def test_save_and_load_round_trips(setup, tmp_path):
         R.PIDs.load(tmp_path / "bad.npz")
     with pytest.raises(DataError, match="nowhere"):
         R.load_router(tmp_path / "nowhere.msgpack")
+
+
+def test_training_resumes_from_a_checkpoint(setup, tmp_path, monkeypatch):
+    """A run stopped after step 4 of 6 and restarted from its checkpoint ends with the same params and
+    history as an uninterrupted run."""
+    model, variables, prompts, pids = setup
+    y = np.random.default_rng(2).integers(0, model.cfg.vocab_size, len(prompts))
+    data = R.prepare(model, variables, prompts, y, pids)
+    kw = dict(epochs=2, batch_size=8, progress=False, log_every=1)
+    _, whole, whole_history = R.train_router(model, variables, pids, data, **kw)
+
+    class Stop(Exception):
+        pass
+    schedule, calls = R.alpha_schedule, []
+
+    def stopping(progress):
+        calls.append(progress)
+        if len(calls) == 5:  # the 5th step (t = 4) never runs
+            raise Stop
+        return schedule(progress)
+    ckpt = tmp_path / "ckpt.msgpack"
+    monkeypatch.setattr(R, "alpha_schedule", stopping)
+    with pytest.raises(Stop):
+        R.train_router(model, variables, pids, data, checkpoint=ckpt, checkpoint_every=2, **kw)
+    monkeypatch.setattr(R, "alpha_schedule", schedule)
+    assert ckpt.exists()
+    _, resumed, history = R.train_router(model, variables, pids, data, checkpoint=ckpt, checkpoint_every=2, **kw)
+    same = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), whole, resumed)
+    assert all(jax.tree_util.tree_leaves(same))
+    assert [h["step"] for h in history] == list(range(6))
+    assert history == whole_history  # the logged losses too (JSON keeps floats exactly)
+    with pytest.raises(DataError, match="6-step run"):  # other settings refuse the checkpoint
+        R.train_router(model, variables, pids, data, checkpoint=ckpt, **{**kw, "epochs": 1})
+
+
+def test_task_vector_edits_one_vector_or_one_per_row(setup):
+    """The fixed-vector form and the per-row (``extras``) form add the same vector at the last token;
+    the per-row form is one function per layer (one compilation for every task)."""
+    model, variables, prompts, _ = setup
+    layer = 1
+    few, zero = prompts[:12], [p[-4:] for p in prompts[12:]]
+    v = R.task_vector(model, variables, few, zero, layer)
+    assert v.shape == (model.cfg.d_model,) and np.all(np.isfinite(v))
+    base = np.stack(run_logprobs(model, variables, prompts))
+    fixed = np.stack(run_logprobs(model, variables, prompts, edits=R.task_vector_edits(v, layer)))
+    per_row = np.stack(run_logprobs(model, variables, prompts, edits=R.task_vector_edits(None, layer),
+                                    extras=np.tile(v, (len(prompts), 1))))
+    assert rel_err(per_row, fixed) <= 1e-6 and rel_err(fixed, base) >= BASELINE_MIN
+    assert R.task_vector_edits(None, layer) is R.task_vector_edits(None, layer)
+
+
+def test_router_input_leaves_out_the_first_token():
+    """The mean runs over the real tokens after the first (the attention sink), or the first alone."""
+    h = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 4)))
+    h = h.at[:, 0].set(1e4)  # a massive first-token residual must not enter
+    out = R.router_input(h, jnp.array([5, 3, 1]))
+    assert np.allclose(out[0], h[0, 1:5].mean(0), atol=1e-5) and np.allclose(out[1], h[1, 1:3].mean(0), atol=1e-5)
+    assert np.allclose(out[2], h[2, 0]) and out.dtype == jnp.float32
