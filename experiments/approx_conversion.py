@@ -1,0 +1,735 @@
+"""How much of a prompt survives as kernel-approximated bias terms in a softmax LM (issue 4, item 2).
+
+For each task (word-pair tasks, SST-2, TREC, AG News) and demo count k, ONE k-shot class-balanced
+demonstration prompt is built (``linicl.data.build_eval_set(..., same_demos=True)``: every test query
+gets the same k demos) and stored in the model by ``linicl.iclca.convert_approx``; the converted model
+then reads each test query alone (its positions continue at the prompt's length n). Compared methods:
+
+* ``zero``: the plain model on the query alone (the k=0 prompt; no demonstrations);
+* ``prompt``: the plain model on demos + query (the prompted model, the reference);
+* conversion variants of ``convert_approx``: ``taylor2``, ``prf`` (``--n-features`` positive random
+  features), ``elu+1`` (shared normaliser, no sinks); ``lsq-<kernel>`` (least-squares fit of (B, b)
+  on ``--fit-queries`` OTHER queries of the task's demo pool, never the test queries, all of one token
+  length so that no padding enters the fit); ``<kernel>+sinks<s>`` (the first s prompt tokens kept as
+  exact keys); ``<kernel>-mix<lam>`` (the lambda-mix normaliser).
+
+Measured per (task, k, method), on the same ``--n-eval`` seeded test queries:
+
+* accuracy, scored as ``linicl.evaluate`` does: label-restricted argmax over the label words' single
+  tokens (classification), first-token accuracy over the whole vocabulary (open-ended word tasks);
+* agreement of the prediction with the prompted model's;
+* KL(prompted || method) of the next-token distribution at the query's last token, over the label
+  words (renormalised; for open-ended tasks over the set of first tokens of the evaluated gold answers)
+  and over the full vocabulary;
+* per-layer relative error of the attention output (site ``blocks.{l}.attn.hook_z``, every head,
+  before the output projection) against the prompted model at the query tokens:
+  ||z_method - z_prompt|| / ||z_prompt|| per query over all its tokens (and at its last token only),
+  averaged over queries;
+* the fraction of the few-shot gain recovered, (acc_method - acc_zero) / (acc_prompt - acc_zero),
+  where acc_prompt > acc_zero, and whether the issue's target holds (see ``recovery``).
+
+The paper's synthetic test (iclca.md section 7): ``--synthetic-pairs`` random prompt/input pairs,
+copy/induction style: a prompt of ``--synthetic-prompt`` uniform random tokens, then an input that
+repeats its first ``--synthetic-input`` tokens. Per method, against the prompted model on the input's
+positions: relative error of the logits, KL, argmax agreement, and the copy accuracy (next token =
+the prompt's next token) with its NLL.
+
+Compilation: every forward pass is padded to a length bucket (``linicl.evaluate.bucket_length``) and
+a fixed batch (``--batch-size``), so a method compiles once per bucket; the query-only passes of the
+converted models share one width per (task, k).
+
+Writes ``OUT/approx_conversion.json`` (every number, the settings, wall times) and
+``OUT/accuracy.png``, ``OUT/kl.png``, ``OUT/layer_error.png``, ``OUT/synthetic.png``; prints tables.
+
+    python experiments/approx_conversion.py --quick              # CI-sized
+    python experiments/approx_conversion.py --n-eval 16          # SmolLM2, default tasks, k 1 4 8 (~1 h, 2 CPUs)
+    python experiments/approx_conversion.py --model path/to/gpt2 # an HF GPT-2/Llama dir or a .gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from icl_baselines import checkpoint_adds_bos, load_model  # noqa: E402  (same model loading and BOS policy)
+
+from linicl import data, iclca  # noqa: E402
+from linicl.errors import LiniclError  # noqa: E402
+from linicl.evaluate import bucket_length  # noqa: E402
+from linicl.interventions import capture  # noqa: E402
+from linicl.parallel import pad_rows  # noqa: E402
+
+DEFAULT_TASKS = ("present-past", "capitalize", "singular-plural", "sst2", "trec", "agnews")
+QUICK_TASKS = ("antonym", "sst2")
+BASE = ("zero", "prompt")
+
+
+# ------------------------------------------------------------------------------------------ variants
+def variant_specs(args) -> dict:
+    """``{name: convert_approx keyword arguments}`` (plus ``fit: True`` for the least-squares ones)."""
+    specs = {}
+    for kernel in args.kernels:
+        specs[kernel] = dict(kernel=kernel)
+    for kernel in args.lsq_kernels:
+        specs[f"lsq-{kernel}"] = dict(kernel=kernel, fit=True)
+    if args.sinks > 0:
+        specs[f"{args.extra_kernel}+sinks{args.sinks}"] = dict(kernel=args.extra_kernel, sinks=args.sinks)
+    if args.mix is not None:
+        specs[f"{args.extra_kernel}-mix{args.mix:g}"] = dict(kernel=args.extra_kernel, form="mix", lam=args.mix)
+    return specs
+
+
+def convert(model, variables, prompt: np.ndarray, spec: dict, args, fit_inputs=None) -> dict:
+    """``iclca.convert_approx`` of a prompt ``[n]`` (or a batch of prompts ``[b, n]``, each serving the
+    query row of the same index) with one variant's settings."""
+    prompt = np.asarray(prompt)
+    prompt = prompt if prompt.ndim == 2 else prompt[None]
+    kw = {k: v for k, v in spec.items() if k != "fit"}
+    if "sinks" in kw:
+        kw["sinks"] = min(kw["sinks"], prompt.shape[1])
+    if spec.get("fit"):
+        if fit_inputs is None:
+            raise LiniclError("no fit inputs")
+        kw["fit_inputs"] = jnp.asarray(fit_inputs, jnp.int32)
+    return iclca.convert_approx(model, variables, jnp.asarray(prompt, jnp.int32), n_features=args.n_features,
+                                seed=args.seed, ridge=args.ridge, **kw)
+
+
+def state_floats(converted) -> int:
+    """Floats a converted prompt stores (B, b and the exact sink keys/values; the seeded random
+    projections are not counted: they are re-drawn from the seed)."""
+    total = 0
+    for name, layer in converted[iclca.ICLCA].items():
+        if name.startswith("layers_"):
+            a = layer["attn"]["approx"]
+            total += sum(int(x.size) for x in (a.B, a.b, a.sink_k, a.sink_v) if x is not None)
+    return total
+
+
+# ------------------------------------------------------------------------------------------ forward
+@functools.lru_cache(maxsize=None)
+def _forward_fn(model, width: int):
+    """jit(variables, tokens[B, T], lengths[B], start) -> (log-softmax at each row's last real token
+    f32[B, vocab], attention outputs z f32[L, B, width, heads * d_head] at positions start..start+width)."""
+    cfg = model.cfg
+    names = [f"blocks.{layer}.attn.hook_z" for layer in range(cfg.n_layers)]
+
+    def run(variables, tokens, lengths, start):
+        h, acts = capture(model, variables, tokens, names=names, hidden=True)
+        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+        params = variables["params"]
+        logits = last @ (params["embed"].T if cfg.tie_embeddings else params["unembed"]["kernel"])
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        z = jnp.stack([acts[n] for n in names])  # [L, B, T, H, d]
+        z = jax.lax.dynamic_slice_in_dim(z, start, width, axis=2)
+        return lp, z.reshape(z.shape[:3] + (-1,)).astype(jnp.float32)
+    return jax.jit(run)
+
+
+def run_rows(model, variables, rows: list, start: int, width: int, args) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows (1-D arrays) -> (log-probs [N, vocab] at each row's last token, z [L, N, width, H*d]
+    from position ``start`` on, the same in every row). Rows are right-padded to one length bucket and
+    cut into batches of ``args.batch_size`` (the last one padded with copies of a row, whose outputs
+    are dropped)."""
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    T = bucket_length(max(int(lengths.max()), start + width), args.bucket, model.cfg.max_len
+                      if model.cfg.positions == "learned" else None)
+    if T < start + width:
+        raise LiniclError(f"rows of {T} positions cannot hold start {start} + width {width}")
+    tokens = np.zeros((len(rows), T), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    fn = _forward_fn(model, width)
+    lps, zs = [], []
+    B = min(args.batch_size, len(rows))
+    for i in range(0, len(rows), B):
+        t, le = pad_rows(tokens[i:i + B], B), pad_rows(lengths[i:i + B], B)
+        lp, z = fn(variables, jnp.asarray(t), jnp.asarray(le), jnp.asarray(start, jnp.int32))
+        m = min(B, len(rows) - i)
+        lps.append(np.asarray(lp)[:m])
+        zs.append(np.asarray(z)[:, :m])
+    lp, z = np.concatenate(lps), np.concatenate(zs, axis=1)
+    if not np.all(np.isfinite(lp)):
+        raise LiniclError("non-finite log-probabilities")
+    return lp, z
+
+
+# ------------------------------------------------------------------------------------------ metrics
+def _kl(lp_p: np.ndarray, lp_q: np.ndarray) -> np.ndarray:
+    """KL(p || q) per row from log-probabilities (renormalised over the given columns)."""
+    lp_p = lp_p - _logsumexp(lp_p)
+    lp_q = lp_q - _logsumexp(lp_q)
+    return np.sum(np.exp(lp_p) * (lp_p - lp_q), axis=-1)
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    m = np.max(x, axis=-1, keepdims=True)
+    return m + np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def layer_errors(z: np.ndarray, z_ref: np.ndarray, qlens: np.ndarray) -> tuple[list, list]:
+    """Per layer: mean over queries of ||z - z_ref|| / ||z_ref|| over the query's tokens, and at its
+    last token only."""
+    W = z.shape[2]
+    mask = np.arange(W)[None, :] < qlens[:, None]  # [N, W]; padding may hold anything, even NaN
+    d2 = np.where(mask, np.sum((z.astype(np.float64) - z_ref) ** 2, axis=-1), 0.0)  # [L, N, W]
+    r2 = np.where(mask, np.sum(z_ref.astype(np.float64) ** 2, axis=-1), 0.0)
+    every = np.sqrt(np.sum(d2, -1) / np.maximum(np.sum(r2, -1), 1e-30))  # [L, N]
+    idx = np.arange(len(qlens))
+    last = np.sqrt(d2[:, idx, qlens - 1] / np.maximum(r2[:, idx, qlens - 1], 1e-30))
+    return every.mean(1).tolist(), last.mean(1).tolist()
+
+
+def score(lp: np.ndarray, label_ids) -> np.ndarray:
+    """Predicted token per row: label-restricted argmax (classification) or full-vocabulary argmax."""
+    if label_ids is None:
+        return np.argmax(lp, axis=-1)
+    return np.asarray(label_ids)[np.argmax(lp[:, label_ids], axis=-1)]
+
+
+def method_metrics(lp, z, ref: dict, gold_ids, label_ids, kl_ids, qlens) -> dict:
+    pred = score(lp, label_ids)
+    correct = pred == gold_ids
+    out = dict(accuracy=float(np.mean(correct)), correct=correct.astype(int).tolist(),
+               predictions=pred.tolist())
+    if ref is not None:
+        kl_full = _kl(ref["lp"], lp)
+        kl_label = _kl(ref["lp"][:, kl_ids], lp[:, kl_ids]) if kl_ids is not None else None
+        err, err_last = layer_errors(z, ref["z"], qlens)
+        out.update(agree_with_prompt=float(np.mean(pred == ref["pred"])),
+                   kl_full_mean=float(np.mean(kl_full)), kl_full_median=float(np.median(kl_full)),
+                   kl_full=kl_full.tolist(),
+                   kl_label_mean=None if kl_label is None else float(np.mean(kl_label)),
+                   kl_label_median=None if kl_label is None else float(np.median(kl_label)),
+                   layer_rel_err=err, layer_rel_err_last=err_last,
+                   rel_err_mean_over_layers=float(np.mean(err)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tasks
+def query_rows(prompts) -> tuple[int, np.ndarray, list]:
+    """The shared context length n, the context tokens, and each prompt's query tokens."""
+    n = prompts[0].query_start
+    ctx = prompts[0].tokens[:n]
+    for p in prompts:
+        if p.query_start != n or not np.array_equal(p.tokens[:n], ctx):
+            raise LiniclError("the prompts do not share one demonstration context")
+    return n, ctx, [p.tokens[n:] for p in prompts]
+
+
+def fit_queries(task, tok, template, exclude, m: int, target_len: int, seed: int):
+    """``m`` query token rows from the task's demo pool (never the test split), not among ``exclude``
+    (the prompt's demos), all of one length (the one with at least m candidates closest to
+    ``target_len``; else the most frequent), so the fit sees no padding."""
+    rng = np.random.default_rng([seed, 11])
+    by_len: dict = {}
+    for i in rng.permutation(len(task.train))[:max(400, 40 * m)]:
+        ex = task.train[i]
+        if ex in exclude:
+            continue
+        p = data.build_prompt(template, (), ex, tok, add_bos=False)
+        row = p.tokens[p.query_start:]
+        by_len.setdefault(len(row), []).append(row)
+    if not by_len:
+        return None
+    full = [L for L, rows in by_len.items() if len(rows) >= m]
+    L = (min(full, key=lambda x: (abs(x - target_len), x)) if full
+         else max(by_len, key=lambda x: (len(by_len[x]), -x)))
+    return np.stack(by_len[L][:m]).astype(np.int32)
+
+
+def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[dict, list]:
+    template = data.template_for(task)
+    label_ids = (None if task.labels is None
+                 else data.check_label_words(task.labels, tok, prefix=template.label_prefix))
+    zero_prompts = data.build_eval_set(task, tok, k=0, seed=args.seed, n_eval=args.n_eval, add_bos=add_bos)
+    n_bos = zero_prompts[0].query_start
+    queries = [p.tokens[p.query_start:] for p in zero_prompts]
+    qlens = np.asarray([len(q) for q in queries], np.int32)
+    W = bucket_length(int(qlens.max()), "geometric")
+    if label_ids is None:
+        gold_ids = np.asarray([tok.encode(template.label_prefix + p.label)[0] for p in zero_prompts], np.int32)
+        cand = np.unique(gold_ids)
+        kl_ids = cand if len(cand) >= 2 else None
+    else:
+        gold_ids = label_ids[np.asarray([task.labels.index(p.label) for p in zero_prompts])]
+        kl_ids = label_ids
+    entry = dict(metric="first_token" if label_ids is None else "label",
+                 labels=None if task.labels is None else list(task.labels), n=len(queries),
+                 query_len=dict(min=int(qlens.min()), max=int(qlens.max()), mean=float(qlens.mean())),
+                 width=W, kl_label_set=None if kl_ids is None else [int(i) for i in kl_ids],
+                 gold_ids=gold_ids.tolist(), k={})
+    skipped = []
+    t0 = time.perf_counter()
+    lp0, z0 = run_rows(model, variables, [p.tokens for p in zero_prompts], n_bos, W, args)
+    entry["zero_eval_s"] = time.perf_counter() - t0
+    for k in args.k:
+        bar.set_postfix_str(f"{task.name} k={k}")
+        cell: dict = {"methods": {}, "timing": {}}
+        t_cell = time.perf_counter()
+        try:
+            prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval, same_demos=True,
+                                          add_bos=add_bos)
+            n, ctx, q_k = query_rows(prompts)
+            if any(not np.array_equal(a, b) for a, b in zip(q_k, queries)):
+                raise LiniclError("the query tokens differ between the zero-shot and the k-shot prompts")
+            if model.cfg.positions == "learned" and n + W > model.cfg.max_len:
+                raise LiniclError(f"prompt ({n}) + query width ({W}) exceed the learned positions "
+                                  f"(max_len={model.cfg.max_len})")
+            t0 = time.perf_counter()
+            lp_p, z_p = run_rows(model, variables, [p.tokens for p in prompts], n, W, args)
+            cell["timing"]["prompt_eval_s"] = time.perf_counter() - t0
+        except LiniclError as e:
+            skipped.append(dict(task=task.name, k=k, method="all", reason=str(e)))
+            bar.update(1)
+            continue
+        pred_p = score(lp_p, label_ids)
+        ref = dict(lp=lp_p, z=z_p, pred=pred_p)
+        cell.update(prompt_len=int(n), demos=[dict(input=d.input, output=d.output) for d in prompts[0].demos],
+                    kv_cache_floats=int(2 * model.cfg.n_layers * model.cfg.kv_heads * model.cfg.head_dim * n))
+        cell["methods"]["prompt"] = method_metrics(lp_p, z_p, None, gold_ids, label_ids, kl_ids, qlens)
+        cell["methods"]["zero"] = method_metrics(lp0, z0, ref, gold_ids, label_ids, kl_ids, qlens)
+        fit = None
+        if any(s.get("fit") for s in specs.values()):
+            fit = fit_queries(task, tok, template, set(prompts[0].demos), args.fit_queries,
+                              int(np.median(qlens)), args.seed)
+            cell["fit_inputs_shape"] = None if fit is None else list(fit.shape)
+        for name, spec in specs.items():
+            try:
+                t0 = time.perf_counter()
+                conv = convert(model, variables, ctx, spec, args, fit)
+                jax.block_until_ready(conv[iclca.ICLCA])
+                t1 = time.perf_counter()
+                lp, z = run_rows(model, conv, queries, 0, W, args)
+                t2 = time.perf_counter()
+            except LiniclError as e:
+                skipped.append(dict(task=task.name, k=k, method=name, reason=str(e)))
+                continue
+            m = method_metrics(lp, z, ref, gold_ids, label_ids, kl_ids, qlens)
+            m.update(convert_s=t1 - t0, eval_s=t2 - t1, state_floats=state_floats(conv))
+            cell["methods"][name] = m
+            del conv, z
+        del ref, z_p
+        entry["k"][str(k)] = cell
+        if args.progress:
+            tqdm.write(f"{task.name} k={k} n={n}: " + ", ".join(
+                f"{m} {r['accuracy']:.2f}" for m, r in cell["methods"].items())
+                + f" ({time.perf_counter() - t_cell:.0f} s)", file=sys.stderr)
+        cell["timing"]["cell_s"] = time.perf_counter() - t_cell
+        bar.update(1)
+    return entry, skipped
+
+
+# ------------------------------------------------------------------------------------------ recovery
+def _ratio(num: float, gain: float):
+    """``num / gain`` when the gain is positive and the number finite, else None."""
+    return float(num / gain) if gain > 0 and math.isfinite(num) else None
+
+
+def recovery(tasks: dict, variants: list) -> dict:
+    """Fraction of the few-shot gain recovered, per (task, k) and per task pooled over k, and the
+    issue's target: the best variant recovers >= half of the gain on >= half of the tasks."""
+    per_cell, pooled = {}, {}
+    for name, e in tasks.items():
+        zero_accs, accs = [], {v: [] for v in ["prompt"] + variants}
+        for k, cell in e["k"].items():
+            ms = cell["methods"]
+            a0, ap = ms["zero"]["accuracy"], ms["prompt"]["accuracy"]
+            zero_accs.append(a0)
+            for v in accs:
+                accs[v].append(ms[v]["accuracy"] if v in ms else float("nan"))
+            per_cell[f"{name}/k={k}"] = dict(
+                task=name, k=int(k), gain=ap - a0,
+                fraction={v: _ratio(ms[v]["accuracy"] - a0, ap - a0) if v in ms else None for v in variants})
+        if not zero_accs:
+            continue
+        a0, ap = float(np.mean(zero_accs)), float(np.mean(accs["prompt"]))
+        pooled[name] = dict(zero=a0, prompt=ap, gain=ap - a0,
+                            variant_acc={v: float(np.mean(accs[v])) for v in variants},
+                            fraction={v: _ratio(float(np.mean(accs[v])) - a0, ap - a0) for v in variants})
+
+    def ok(f) -> bool:
+        return f is not None and f >= 0.5
+
+    with_gain = [t for t, p in pooled.items() if p["gain"] > 0]
+    passes = {v: [t for t in with_gain if ok(pooled[t]["fraction"][v])] for v in variants}
+
+    def mean_fraction(v) -> float:
+        fs = [pooled[t]["fraction"][v] for t in with_gain if pooled[t]["fraction"][v] is not None]
+        return float(np.mean(fs)) if fs else -math.inf
+
+    best = max(variants, key=lambda v: (len(passes[v]), mean_fraction(v))) if variants else None
+    per_task_best = {t: max(variants, key=lambda v: -math.inf if pooled[t]["fraction"][v] is None
+                            else pooled[t]["fraction"][v]) for t in with_gain} if variants else {}
+    need = math.ceil(len(pooled) / 2)
+    per_k = {}
+    for k in sorted({c["k"] for c in per_cell.values()}):
+        cells = {c["task"]: c for c in per_cell.values() if c["k"] == k}
+        g = [t for t, c in cells.items() if c["gain"] > 0]
+        passing = {v: sorted(t for t in g if ok(cells[t]["fraction"][v])) for v in variants}
+        per_k[str(k)] = dict(tasks=len(cells), tasks_with_gain=len(g), passing=passing,
+                             target_met=bool(variants) and max(len(x) for x in passing.values()) >= math.ceil(
+                                 len(cells) / 2) and len(g) > 0)
+    return dict(
+        definition=("fraction = (acc_variant - acc_zero) / (acc_prompt - acc_zero), only where acc_prompt > "
+                    "acc_zero. Primary (pooled): accuracies averaged over k per task. Target: one variant "
+                    "(the best) has fraction >= 0.5 on at least ceil(#tasks / 2) of all evaluated tasks "
+                    "(a task without a few-shot gain counts as not recovered). per_k: the same at each k."),
+        per_task_k=per_cell, per_task_pooled=pooled, tasks=len(pooled), tasks_with_gain=len(with_gain),
+        passing=passes, best_variant=best,
+        best_mean_fraction=None if best is None or not math.isfinite(mean_fraction(best)) else mean_fraction(best),
+        needed=need, target_met=bool(best is not None and with_gain and len(passes[best]) >= need),
+        per_task_best_variant=per_task_best,
+        target_met_with_per_task_best=bool(with_gain and sum(
+            ok(pooled[t]["fraction"][per_task_best[t]]) for t in with_gain) >= need),
+        per_k=per_k)
+
+
+# ------------------------------------------------------------------------------------------ synthetic
+def synthetic(model, variables, specs: dict, args, progress: bool) -> dict:
+    """Random prompt r (P tokens), input r[:m]: the prompted model copies (induction); every method is
+    compared with it at the input's m positions."""
+    cfg = model.cfg
+    P, m, npairs = args.synthetic_prompt, args.synthetic_input, args.synthetic_pairs
+    low = min(args.synthetic_low, cfg.vocab_size // 4)
+    rng = np.random.default_rng([args.seed, 21])
+    fwd = jax.jit(lambda v, t: model.apply(v, t))
+    names = ["zero"] + list(specs)
+    acc = {n: dict(rel_err=[], kl=[], agree=[], copy_acc=[], nll=[]) for n in ["prompt"] + names}
+    skipped = []
+    fit_windows = [(j, j + m) for j in range(m, P - m + 1, m)]
+    pairs = [rng.integers(low, cfg.vocab_size, size=P).astype(np.int32) for _ in range(npairs)]
+    sb = max(1, min(args.synthetic_batch, npairs))
+    bar = tqdm(total=npairs, desc="synthetic", disable=not progress, leave=False)
+    for i in range(0, npairs, sb):
+        nb = min(sb, npairs - i)
+        R = pad_rows(np.stack(pairs[i:i + nb]), sb)  # [sb, P]; padding rows (copies) are dropped
+        inp = R[:, :m]
+        ref = np.asarray(fwd(variables, jnp.asarray(np.concatenate([R, inp], 1))))[:nb, P:].astype(np.float64)
+        outs = {"prompt": ref, "zero": np.asarray(fwd(variables, jnp.asarray(inp)))[:nb].astype(np.float64)}
+        for name, spec in specs.items():
+            try:
+                if spec.get("fit"):  # the fit needs a batch-1 prompt: one conversion per pair
+                    out = np.concatenate([np.asarray(fwd(convert(
+                        model, variables, R[j], spec, args,
+                        np.stack([R[j, a:b] for a, b in fit_windows]) if fit_windows else None),
+                        jnp.asarray(inp[j:j + 1]))) for j in range(nb)])
+                else:  # a batch of prompts, each serving its own input
+                    out = np.asarray(fwd(convert(model, variables, R, spec, args), jnp.asarray(inp)))[:nb]
+            except LiniclError as e:
+                if not any(s["method"] == name for s in skipped):
+                    skipped.append(dict(method=name, reason=str(e)))
+                continue
+            outs[name] = out.astype(np.float64)
+        for j in range(nb):
+            target = R[j, 1:m + 1]
+            ref_j = ref[j]
+            ref_lp = ref_j - _logsumexp(ref_j)
+            for name, lgs in outs.items():
+                lg = lgs[j]
+                lp = lg - _logsumexp(lg)
+                a = acc[name]
+                a["rel_err"].append(float(np.linalg.norm(lg - ref_j) / np.linalg.norm(ref_j)))
+                a["kl"].append(float(np.mean(np.sum(np.exp(ref_lp) * (ref_lp - lp), -1))))
+                a["agree"].append(float(np.mean(np.argmax(lg, -1) == np.argmax(ref_j, -1))))
+                a["copy_acc"].append(float(np.mean(np.argmax(lg, -1) == target)))
+                a["nll"].append(float(-np.mean(lp[np.arange(m), target])))
+        bar.update(nb)
+    bar.close()
+    methods = {}
+    for name, a in acc.items():
+        if not a["rel_err"]:
+            continue
+        methods[name] = dict(
+            pairs=len(a["rel_err"]), logit_rel_err_mean=float(np.mean(a["rel_err"])),
+            logit_rel_err_median=float(np.median(a["rel_err"])), kl_mean=float(np.mean(a["kl"])),
+            kl_median=float(np.median(a["kl"])), argmax_agree=float(np.mean(a["agree"])),
+            copy_acc=float(np.mean(a["copy_acc"])), copy_nll=float(np.mean(a["nll"])),
+            per_pair=dict(rel_err=a["rel_err"], kl=a["kl"], agree=a["agree"], copy_acc=a["copy_acc"]))
+    return dict(settings=dict(pairs=npairs, prompt_len=P, input_len=m, token_low=low, vocab=cfg.vocab_size,
+                              fit_windows=fit_windows,
+                              description="prompt = P uniform random tokens in [low, vocab); input = its "
+                                          "first m tokens; scored at the input's m positions; copy target "
+                                          "= the prompt's next token; lsq fits on later windows of the "
+                                          "prompt (not the input)"),
+                methods=methods, skipped=skipped)
+
+
+# ------------------------------------------------------------------------------------------ output
+def _fmt(x, spec=".2f"):
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def tables(report: dict) -> str:
+    methods = list(BASE) + report["variants"]
+    lines = ["Accuracy (label-restricted for classification, first-token for word tasks):", "",
+             "| task | k | n | " + " | ".join(methods) + " |", "|---|---|---|" + "---|" * len(methods)]
+    for t, e in report["tasks"].items():
+        for k, cell in e["k"].items():
+            ms = cell["methods"]
+            lines.append(f"| {t} | {k} | {e['n']} | " + " | ".join(
+                _fmt(ms[m]["accuracy"]) if m in ms else "-" for m in methods) + " |")
+    rest = ["zero"] + report["variants"]
+    lines += ["", "Mean KL(prompted || method), full vocabulary / label words, at the query's last token:", "",
+              "| task | k | " + " | ".join(rest) + " |", "|---|---|" + "---|" * len(rest)]
+    for t, e in report["tasks"].items():
+        for k, cell in e["k"].items():
+            ms = cell["methods"]
+            lines.append(f"| {t} | {k} | " + " | ".join(
+                f"{_fmt(ms[m]['kl_full_mean'], '.3g')} / {_fmt(ms[m]['kl_label_mean'], '.3g')}" if m in ms else "-"
+                for m in rest) + " |")
+    lines += ["", "hook_z relative error vs the prompted model (mean over queries, tasks and k), by layer:", "",
+              "| method | first layer | middle | last layer | mean over layers |", "|---|---|---|---|---|"]
+    for m, curve in report["layer_error_summary"].items():
+        L = len(curve)
+        lines.append(f"| {m} | {_fmt(curve[0], '.3f')} | {_fmt(curve[L // 2], '.3f')} | {_fmt(curve[-1], '.3f')} | "
+                     f"{_fmt(float(np.mean(curve)), '.3f')} |")
+    rec = report["recovery"]
+    lines += ["", "Fraction of the few-shot gain recovered (accuracies pooled over k; '-' = no gain):", "",
+              "| task | zero | prompt | " + " | ".join(report["variants"]) + " |",
+              "|---|---|---|" + "---|" * len(report["variants"])]
+    for t, p in rec["per_task_pooled"].items():
+        lines.append(f"| {t} | {_fmt(p['zero'])} | {_fmt(p['prompt'])} | " + " | ".join(
+            _fmt(p["fraction"][v]) for v in report["variants"]) + " |")
+    lines.append(f"\nTarget (best variant recovers >= half the gain on >= half the tasks): "
+                 f"{'MET' if rec['target_met'] else 'NOT MET'} (best variant {rec['best_variant']}: "
+                 f"{len(rec['passing'].get(rec['best_variant'], []))} of {rec['tasks']} tasks, "
+                 f"{rec['tasks_with_gain']} with a gain, {rec['needed']} needed)")
+    syn = report.get("synthetic")
+    if syn and syn["methods"]:
+        s = syn["settings"]
+        lines += ["", f"Synthetic copy test: {s['pairs']} random prompts of {s['prompt_len']} tokens, input = "
+                      f"their first {s['input_len']}:", "",
+                  "| method | logit rel. err (median) | KL (mean) | argmax agrees | copy acc | copy NLL |",
+                  "|---|---|---|---|---|---|"]
+        for m, r in syn["methods"].items():
+            lines.append(f"| {m} | {_fmt(r['logit_rel_err_median'], '.3f')} | {_fmt(r['kl_mean'], '.3g')} | "
+                         f"{_fmt(r['argmax_agree'])} | {_fmt(r['copy_acc'])} | {_fmt(r['copy_nll'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def layer_error_summary(report: dict) -> dict:
+    curves: dict = {}
+    for e in report["tasks"].values():
+        for cell in e["k"].values():
+            for m, r in cell["methods"].items():
+                if "layer_rel_err" in r:
+                    curves.setdefault(m, []).append(r["layer_rel_err"])
+    return {m: np.mean(np.asarray(c), 0).tolist() for m, c in curves.items()}
+
+
+def plots(report: dict, out: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [t for t, e in report["tasks"].items() if e["k"]]
+    methods = list(BASE) + report["variants"]
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    ncols = min(3, max(1, len(names)))
+    nrows = max(1, -(-len(names) // ncols))
+    for what, ylabel, fname in (("accuracy", "accuracy", "accuracy.png"),
+                                ("kl_full_mean", "KL(prompted || method), full vocab", "kl.png")):
+        fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.9 * nrows), squeeze=False)
+        for ax, t in zip(axes.flat, names):
+            cells = report["tasks"][t]["k"]
+            ks = list(cells)
+            for m in methods:
+                ys = [cells[k]["methods"].get(m, {}).get(what, np.nan) for k in ks]
+                if what == "kl_full_mean" and m == "prompt":
+                    continue
+                ax.plot(range(len(ks)), [np.nan if y is None else y for y in ys], "o-" if m not in BASE else "s--",
+                        color=colors[m], label=m, lw=2.2 if m in BASE else 1.2, ms=4)
+            ax.set_xticks(range(len(ks)), ks)
+            ax.set_title(f"{t} ({report['tasks'][t]['metric']})", fontsize=9)
+            ax.set_xlabel("k (demonstrations)", fontsize=8)
+            if what == "accuracy":
+                ax.set_ylim(-0.03, 1.03)
+            else:
+                ax.set_yscale("log")
+            ax.set_ylabel(ylabel, fontsize=8)
+        for ax in list(axes.flat)[len(names):]:
+            ax.axis("off")
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), fontsize=7)
+        fig.suptitle(f"{Path(report['model']['source']).name}: {ylabel} per task and k, n={report['settings']['n_eval']}",
+                     fontsize=10)
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        fig.savefig(os.path.join(out, fname), dpi=110)
+        plt.close(fig)
+
+    ks = report["settings"]["k"]
+    fig, axes = plt.subplots(1, len(ks) + 1, figsize=(3.8 * (len(ks) + 1), 3.2), squeeze=False)
+    for ax, k in zip(axes[0], [None] + list(ks)):
+        curves: dict = {}
+        for e in report["tasks"].values():
+            cell = e["k"].get(str(k)) if k is not None else None
+            cells = [cell] if cell else (list(e["k"].values()) if k is None else [])
+            for c in cells:
+                for m, r in c["methods"].items():
+                    if "layer_rel_err" in r:
+                        curves.setdefault(m, []).append(r["layer_rel_err"])
+        for m, cs in curves.items():
+            ax.plot(np.mean(np.asarray(cs), 0), "s--" if m in BASE else "o-", color=colors[m], label=m, ms=3)
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_title("all tasks and k" if k is None else f"k = {k}", fontsize=9)
+        ax.set_ylabel("rel. error of hook_z vs prompted", fontsize=8)
+    axes[0, 0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "layer_error.png"), dpi=110)
+    plt.close(fig)
+
+    syn = report.get("synthetic") or {}
+    ms = syn.get("methods") or {}
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    labels = list(ms)
+    for ax, (key, title) in zip(axes, (("logit_rel_err_median", "logit rel. error (median)"),
+                                       ("argmax_agree", "argmax agrees with prompted"),
+                                       ("copy_acc", "copy accuracy"))):
+        ax.bar(range(len(labels)), [ms[m][key] for m in labels], color=[colors.get(m, "0.5") for m in labels])
+        ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+    if syn:
+        fig.suptitle(f"synthetic copy test: {syn['settings']['pairs']} random prompts of "
+                     f"{syn['settings']['prompt_len']} tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "synthetic.png"), dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint (HF GPT-2/Llama directory or .gguf); default SmolLM2")
+    p.add_argument("--data-dir", default=None, help="data directory (default $LINICL_DATA_DIR)")
+    p.add_argument("--out", default="results/approx_conversion", help="results folder")
+    p.add_argument("--tasks", nargs="+", default=None, help=f"task names (default {' '.join(DEFAULT_TASKS)})")
+    p.add_argument("--k", nargs="+", type=int, default=None, help="demonstrations (default 1 4 8)")
+    p.add_argument("--n-eval", type=int, default=None, help="test queries per task (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="queries, demos, random features, synthetic prompts")
+    p.add_argument("--kernels", nargs="*", default=["taylor2", "prf", "elu+1"], help="plain kernel variants")
+    p.add_argument("--lsq-kernels", nargs="*", default=["prf"],
+                   help="least-squares variants (taylor2's 4161 features per head make its fit slow)")
+    p.add_argument("--extra-kernel", default="taylor2", help="kernel of the sinks and mix variants")
+    p.add_argument("--sinks", type=int, default=4, help="exact sink tokens of the sinks variant (0: none)")
+    p.add_argument("--mix", type=float, default=0.5, help="lambda of the mix variant (negative: none)")
+    p.add_argument("--n-features", type=int, default=256, help="random features of the prf kernel")
+    p.add_argument("--ridge", type=float, default=1e-6, help="ridge of the least-squares fit")
+    p.add_argument("--fit-queries", type=int, default=16, help="demo-pool queries of the least-squares fit")
+    p.add_argument("--synthetic-pairs", type=int, default=None, help="random prompt/input pairs (default 100; 0: skip)")
+    p.add_argument("--synthetic-prompt", type=int, default=24, help="random prompt length")
+    p.add_argument("--synthetic-input", type=int, default=6, help="input length (a copy of the prompt's start)")
+    p.add_argument("--synthetic-batch", type=int, default=5,
+                   help="prompts converted at once (Taylor-2 bias terms of SmolLM2: 290 MB per prompt)")
+    p.add_argument("--synthetic-low", type=int, default=256, help="random tokens are drawn from [low, vocab)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--bucket", default="geometric", help="length buckets: 'geometric' or a multiple, e.g. 32")
+    p.add_argument("--max-len", type=int, default=2048, help="decode-cache size of rope models")
+    p.add_argument("--bos", choices=["auto", "on", "off"], default="auto", help="prepend BOS (auto: as the "
+                   "checkpoint's tokenizer says)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"CI: tasks {' '.join(QUICK_TASKS)}, 4 queries, k 1, 4 synthetic pairs of 16 + 4 tokens")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    args = p.parse_args(argv)
+    if args.bucket != "geometric":
+        args.bucket = int(args.bucket)
+    if args.mix is not None and args.mix < 0:
+        args.mix = None
+    args.tasks = args.tasks or list(QUICK_TASKS if args.quick else DEFAULT_TASKS)
+    args.k = args.k or ([1] if args.quick else [1, 4, 8])
+    args.n_eval = args.n_eval or (4 if args.quick else 32)
+    if args.synthetic_pairs is None:
+        args.synthetic_pairs = 4 if args.quick else 100
+    if args.quick:
+        args.synthetic_prompt, args.synthetic_input = 16, 4
+        args.fit_queries = min(args.fit_queries, 4)
+    return args
+
+
+def run(args) -> dict:
+    t_start = time.perf_counter()
+    source, model, variables, tok = load_model(args.model, args.max_len)
+    load_s = time.perf_counter() - t_start
+    add_bos = {"on": True, "off": False, "auto": checkpoint_adds_bos(source)}[args.bos]
+    if model.cfg.attention != "softmax":
+        raise LiniclError("this experiment is about softmax models (a linear model's conversion is exact)")
+    specs = variant_specs(args)
+    tasks, skipped = {}, []
+    bar = tqdm(total=len(args.tasks) * len(args.k), desc="approx conversion", disable=not args.progress)
+    for name in args.tasks:
+        task = data.load_task(name, args.data_dir)
+        t0 = time.perf_counter()
+        try:
+            entry, skip = run_task(model, variables, tok, task, args, specs, add_bos, bar)
+        except LiniclError as e:  # e.g. label words that are not single tokens for this tokenizer
+            skipped.append(dict(task=name, k=None, method="all", reason=str(e)))
+            bar.update(len(args.k))
+            continue
+        entry["wall_s"] = time.perf_counter() - t0
+        tasks[name] = entry
+        skipped += skip
+    bar.close()
+    os.makedirs(args.out, exist_ok=True)  # the tasks' numbers survive an interrupted synthetic test
+    with open(os.path.join(args.out, "approx_conversion.json"), "w") as f:
+        json.dump(dict(experiment="approx_conversion", complete=False, settings=vars(args), tasks=tasks,
+                       skipped=skipped), f, indent=1, default=float)
+    t0 = time.perf_counter()
+    syn = synthetic(model, variables, specs, args, args.progress) if args.synthetic_pairs > 0 else None
+    syn_s = time.perf_counter() - t0
+    cfg = model.cfg
+    report = dict(
+        experiment="approx_conversion", complete=True, quick=args.quick, variants=list(specs),
+        variant_settings={k: {a: b for a, b in v.items()} for k, v in specs.items()},
+        model=dict(source=str(source), n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
+                   kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size, positions=cfg.positions,
+                   dtype=cfg.dtype, describe=cfg.describe()),
+        settings=dict({k: v for k, v in vars(args).items()}, add_bos=add_bos,
+                      data_dir=str(data.resolve_data_dir(args.data_dir))),
+        machine=dict(platform=platform.platform(), jax=jax.__version__, devices=str(jax.devices()),
+                     cpu_count=os.cpu_count()),
+        tasks=tasks, skipped=skipped, synthetic=syn)
+    report["recovery"] = recovery(tasks, list(specs))
+    report["layer_error_summary"] = layer_error_summary(report)
+    report["timing"] = dict(load_s=load_s, tasks_s={t: e["wall_s"] for t, e in tasks.items()}, synthetic_s=syn_s,
+                            total_s=time.perf_counter() - t_start)
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        data.resolve_data_dir(args.data_dir)
+        report = run(args)
+    except LiniclError as e:
+        print(f"approx_conversion: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    text = tables(report)
+    report["table"] = text
+    with open(os.path.join(args.out, "approx_conversion.json"), "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    plots(report, args.out)
+    print(text)
+    t = report["timing"]
+    print(f"\n{sum(len(e['k']) for e in report['tasks'].values())} (task, k) cells, {len(report['skipped'])} "
+          f"skipped; total {t['total_s']:.0f} s (load {t['load_s']:.0f} s, synthetic {t['synthetic_s']:.0f} s); "
+          f"wrote {args.out}/approx_conversion.json and the plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
