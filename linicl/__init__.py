@@ -1,15 +1,23 @@
 """linicl: the exact theory of in-context learning, in JAX/Flax.
 
-* ``ModelConfig``, ``Transformer``: the model zoo (linear and softmax attention).
-* ``linicl.iclca``: exact conversion of a prompt into linear-attention bias terms.
-* ``generate``: greedy and sampled decoding with a state or a KV cache.
+* ``ModelConfig``, ``Transformer``: the model zoo (linear and softmax attention); ``generate``.
+* ``linicl.iclca``: exact conversion of a prompt into linear-attention bias terms (and the
+  approximate one for softmax models).
+* ``linicl.implicit``: implicit weight updates; ``linicl.routing``: In-Context Routing.
 * ``linicl.lm``: pretrained checkpoints (HF GPT-2/Llama, GGUF, SmolLM2) and their tokenizers.
-* ``linicl.interventions``: the activation cache and edits (TransformerLens-style names).
+* ``linicl.interventions``: the activation cache and edits (TransformerLens-style names);
+  ``linicl.activations``: activations over many prompts.
 * ``linicl.data``: ICL data sets and prompts; ``linicl.evaluate``: accuracy by next-token scoring;
-  ``linicl.routing``: In-Context Routing; ``linicl.implicit``: implicit weight updates (import them).
+  ``linicl.batching`` and ``linicl.parallel``: batches, length buckets, devices.
+* ``linicl.names``: every enumeration, collection and site name; ``linicl.compiled``: the one cache of
+  compiled functions; ``linicl.checkpoint``: the checkpoint format of every training loop.
+
+Every submodule is importable as an attribute (``linicl.routing``) and loaded on first use, so
+``import linicl`` stays fast.
 """
 
-from linicl import data, iclca, interventions, kernels, lm
+import importlib
+
 from linicl.config import PRESETS, ModelConfig, preset
 from linicl.errors import (ConfigError, DataError, DegenerateInputError, LiniclError, NotExactError,
                            SequenceTooLongError)
@@ -18,6 +26,23 @@ from linicl.nn import Transformer
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "Transformer", "iclca", "kernels", "generate",
-           "LiniclError", "ConfigError", "NotExactError", "SequenceTooLongError",
-           "DegenerateInputError", "DataError", "data", "interventions", "lm"]
+# Public submodules, loaded on first attribute access.
+SUBMODULES = ("activations", "batching", "checkpoint", "cli", "compiled", "config", "data", "diagnostics",
+              "errors", "evaluate", "generation", "iclca", "implicit", "interventions", "kernels", "lm",
+              "memory", "metrics", "names", "nn", "parallel", "reporting", "routing", "timing", "verify")
+
+
+def __getattr__(name: str):
+    if name in SUBMODULES:
+        module = importlib.import_module(f"linicl.{name}")
+        globals()[name] = module  # later lookups skip this function
+        return module
+    raise AttributeError(f"module 'linicl' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(SUBMODULES))
+
+
+__all__ = ["ModelConfig", "PRESETS", "preset", "Transformer", "generate", "LiniclError", "ConfigError",
+           "NotExactError", "SequenceTooLongError", "DegenerateInputError", "DataError", *SUBMODULES]

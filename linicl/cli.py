@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "verify":
+        import jax
+        # The entry point owns the process: float64 models need x64 (float32 ones stay float32).
+        jax.config.update("jax_enable_x64", True)
         from linicl import verify
         return verify.main(out=args.out, prompt_len=args.prompt_len, query_len=args.query_len,
                            batch=args.batch, seed=args.seed, quick=args.quick,

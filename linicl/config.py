@@ -12,22 +12,9 @@ from typing import Optional, Sequence, Union
 import jax.numpy as jnp
 
 from linicl.errors import ConfigError
-
-ATTENTION_KINDS = ("linear", "softmax")
-FEATURE_MAPS = ("elu+1", "relu", "identity", "taylor2")
-POSITIONS = ("none", "learned", "rope")
-NORMS = ("pre", "post", "none")
-NORM_TYPES = ("layernorm", "rmsnorm")
-SKIPS = ("residual", "dherin", "none")
-MLPS = ("plain", "gated")
-ROPE_STYLES = ("interleaved", "half")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "tanh")
-FORMS = ("auto", "parallel", "chunked", "recurrent")
-DTYPES = ("float32", "float64", "bfloat16")
-
-# Feature maps whose inner products phi(q).phi(k) are never negative, so that a normalised linear
-# attention has a positive denominator (up to the model's own epsilon).
-_NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2")
+from linicl.kernels.feature_maps import feature_dim
+from linicl.names import (ACTIVATIONS, ATTENTION_KINDS, DTYPES, FEATURE_MAPS, FORMS, MLPS,  # noqa: F401
+                          NONNEGATIVE_MAPS, NORM_TYPES, NORMS, POSITIONS, ROPE_STYLES, SKIPS)
 
 
 def _choice(field: str, value, choices) -> None:
@@ -127,9 +114,9 @@ class ModelConfig:
                               f"n_heads ({self.n_heads})")
         self._check_structure()
         self._check_decay()
-        if self.attention == "linear" and self.normalize and self.feature_map not in _NONNEGATIVE_MAPS:
+        if self.attention == "linear" and self.normalize and self.feature_map not in NONNEGATIVE_MAPS:
             raise ConfigError(
-                f"ModelConfig.normalize=True needs a non-negative feature map {_NONNEGATIVE_MAPS}; "
+                f"ModelConfig.normalize=True needs a non-negative feature map {NONNEGATIVE_MAPS}; "
                 f"{self.feature_map!r} can make phi(q).z zero or negative. Use normalize=False.")
         if self.attention == "softmax" and (self.decay is not None or self.trainable_bias):
             raise ConfigError("ModelConfig.decay and trainable_bias apply to attention='linear' only")
@@ -190,7 +177,6 @@ class ModelConfig:
     @property
     def feature_dim(self) -> int:
         """d_phi, the width of phi(k) and so of the state S: [d_phi, d_head]."""
-        from linicl.kernels.feature_maps import feature_dim
         return feature_dim(self.feature_map, self.head_dim)
 
     @property

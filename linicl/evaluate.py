@@ -14,13 +14,12 @@ at the prompt's last token is scored against the label words:
   when they share their first token), and it is the metric of the function-vector and task-vector papers.
   ``EvalResult.metric`` says which of the two was computed.
 
-Batching and compilation: prompts are sorted by length, cut into batches of a fixed ``batch_size``, and
-right-padded to a **length bucket** (``bucket_length``: by default the smallest of 16, 24, 32, 48, 64,
-96, ... that holds the batch's longest prompt; or a multiple of an int ``bucket``; capped at the model's
-``max_len``); the last batch is padded with copies of a real row. So one evaluation compiles the forward
-pass once per distinct bucket (a handful, logarithmic in the prompt lengths), never per example. Right
-padding cannot leak into a causal model's real tokens, and each row is read at ``lengths[b] - 1``.
-Batches are sharded across all visible devices (``linicl.parallel``); on one device that is plain jit.
+Batching and compilation (``linicl.batching``): prompts are sorted by length, cut into batches of a
+fixed ``batch_size``, and right-padded to a **length bucket** (``bucket_length``); the last batch is
+padded with copies of a real row. So one evaluation compiles the forward pass once per distinct bucket
+(a handful, logarithmic in the prompt lengths), never per example. Right padding cannot leak into a
+causal model's real tokens, and each row is read at ``lengths[b] - 1``. Batches are sharded across all
+visible devices (``linicl.parallel``); on one device that is plain jit.
 
 Hooks for methods built on this harness (task vectors, in-context routing):
 
@@ -36,178 +35,46 @@ Hooks for methods built on this harness (task vectors, in-context routing):
 * ``extras``: a pytree of per-prompt arrays (axis 0 = prompt, e.g. a router's input embeddings), batched,
   padded and sharded alongside the tokens.
 
-Pass a function defined once (not a fresh lambda per call): the compiled function is cached by the
-identity of ``forward`` and ``edits``.
+Pass a function defined once (not a fresh lambda per call): the compiled function is cached
+(``linicl.compiled``) by the identity of ``forward`` and ``edits``.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
+from linicl import batching, compiled
 from linicl.data.datasets import Task
 from linicl.data.prompts import Prompt, PromptBatch, Template, build_eval_set, check_label_words, template_for
-from linicl.errors import LiniclError, SequenceTooLongError
-from linicl.interventions import check_names, full_name, with_edits
-from linicl.nn.hooks import INTERVENTIONS, Edit
+from linicl.errors import LiniclError
+from linicl.interventions import EditPlan, plan_edits
 from linicl.nn.transformer import config_of, position_offset
-from linicl.parallel import device_mesh, pad_rows, replicate, round_up, run_sharded
+from linicl.parallel import device_mesh
+
 
 # ---------------------------------------------------------------------------------------- forward
-
-
-@functools.lru_cache(maxsize=None)
-def last_token_logits(model) -> Callable:
-    """The default ``forward(variables, tokens, lengths) -> logits[b, vocab]``: the final hidden state at
-    each row's last real token, unembedded. Only b rows go through the unembedding (not b * T), which
-    saves a large share of a small LM's compute (SmolLM2: 28M of its 135M parameters)."""
-    cfg = config_of(model)
-
-    def forward(variables, tokens, lengths):
-        h = model.apply(variables, tokens, hidden=True)
-        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-        params = variables["params"]
-        if cfg.tie_embeddings:
-            return last @ params["embed"].T
-        return last @ params["unembed"]["kernel"]
-    return forward
-
-
-def _split_edits(edits, cfg):
-    """``(names, Edit values, edits function)`` from the ``edits`` argument (checked eagerly when static)."""
-    if edits is None:
-        return (), (), None
-    if callable(edits):
-        return (), (), edits
-    pairs = list(edits)
-    for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], Edit)):
-            raise LiniclError(f"edits must be (name, Edit) pairs from linicl.interventions (or a function "
-                              f"returning them), got {pair!r:.80}")
-    names = tuple(full_name(n) for n, _ in pairs)
-    check_names(cfg, names, "edits")
-    return names, tuple(e for _, e in pairs), None
-
-
-def _merged(a: Any, b: Any) -> Any:
-    """Two ``interventions`` trees joined; at a site present in both, ``a``'s edits apply first."""
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return tuple(a) + tuple(b)
-    out = dict(a)
-    for key, value in b.items():
-        out[key] = _merged(out[key], value) if key in out else value
-    return out
-
-
-def apply_edits(variables, edits, cfg):
-    """``variables`` with ``edits`` added after any edits they already hold (``with_edits`` would
-    replace those), so an evaluation's edits compose with a pre-edited model."""
-    edited = with_edits(variables, edits, cfg)
-    if INTERVENTIONS not in variables:
-        return edited
-    return {**edited, INTERVENTIONS: _merged(variables[INTERVENTIONS], edited[INTERVENTIONS])}
-
-
-@functools.lru_cache(maxsize=128)
 def _logprob_fn(model, forward: Optional[Callable], edit_names: tuple, edits_fn: Optional[Callable],
                 with_extras: bool):
+    """jit(variables, edit values, tokens, lengths, extras) -> log-softmax at each row's last token."""
     cfg = config_of(model)
+    default = batching.last_token_logits(model)
 
     def run(variables, edit_values, tokens, lengths, extras):
         more = (extras,) if with_extras else ()
-        edits = list(zip(edit_names, edit_values))
-        if edits_fn is not None:
-            edits += list(edits_fn(tokens, lengths, *more))
-        if edits:
-            variables = apply_edits(variables, edits, cfg)
-        if forward is None:
-            logits = last_token_logits(model)(variables, tokens, lengths)
-        else:
-            logits = forward(variables, tokens, lengths, *more)
+        variables = EditPlan(edit_names, (), edits_fn).apply(variables, cfg, edit_values, tokens, lengths, *more)
+        logits = default(variables, tokens, lengths) if forward is None else forward(variables, tokens, lengths, *more)
         if logits.shape != (tokens.shape[0], cfg.vocab_size):
             raise LiniclError(f"forward must return logits[{tokens.shape[0]}, {cfg.vocab_size}] at the last "
                               f"token, got {tuple(logits.shape)}")
         return jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
-    return jax.jit(run)
-
-
-# ---------------------------------------------------------------------------------------- batching
-def _as_rows(prompts) -> list:
-    """Token arrays int32[n_i] from Prompts, token arrays, a PromptBatch or an iterable of PromptBatch."""
-    if isinstance(prompts, PromptBatch):
-        prompts = [prompts]
-    rows = []
-    for item in prompts:
-        if isinstance(item, PromptBatch):
-            rows += [np.asarray(item.tokens[b, :item.lengths[b]], np.int32) for b in range(len(item.lengths))]
-        else:
-            rows.append(np.asarray(getattr(item, "tokens", item), np.int32))
-    if not rows:
-        raise LiniclError("no prompts to run")
-    if any(r.ndim != 1 or len(r) == 0 for r in rows):
-        raise LiniclError("every prompt must be a non-empty 1-D token array")
-    return rows
-
-
-def bucket_length(n: int, bucket: int | str = "geometric", max_len: Optional[int] = None) -> int:
-    """The padded length of a batch whose longest prompt has ``n`` tokens.
-
-    ``bucket="geometric"`` (the default): the smallest of 16, 24, 32, 48, 64, 96, ... (16 * 2^i and
-    24 * 2^i) that holds ``n``: at most 50 % padding and only two shapes per doubling of the length, so
-    an evaluation over prompts of 10 to 1,000 tokens compiles about 12 times, not once per multiple.
-    An int: ``n`` rounded up to a multiple of it. Never past ``max_len`` (learned positions end there)
-    unless ``n`` itself is longer (the model then raises its own clear error)."""
-    if isinstance(bucket, str):
-        if bucket != "geometric":
-            raise LiniclError(f"bucket must be 'geometric' or an int >= 1, got {bucket!r}")
-        size = 16
-        while size < n:
-            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    elif isinstance(bucket, bool) or not isinstance(bucket, (int, np.integer)) or bucket < 1:
-        raise LiniclError(f"bucket must be 'geometric' or an int >= 1, got {bucket!r}")
-    else:
-        size = round_up(n, bucket)
-    return max(n, size if max_len is None else min(size, max_len))
-
-
-def _batches(rows: list, cfg, batch_size: int, bucket, mesh, progress: bool, desc: str,
-             extras: Any = None) -> Iterator:
-    """``(row indices, tokens int32[B, T], lengths int32[B], extras)`` per batch; B is fixed (batch_size
-    rounded up to the device count, or fewer when there are fewer prompts), T a length bucket."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise LiniclError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    n = len(rows)
-    B = round_up(min(int(batch_size), n), mesh.size)
-    lengths = np.asarray([len(r) for r in rows], np.int32)
-    order = np.argsort(-lengths, kind="stable")  # longest first: a batch that does not fit fails early
-    chunks = [order[i:i + B] for i in range(0, n, B)]
-    for idx in tqdm(chunks, desc=desc, disable=not progress, leave=False):
-        T = bucket_length(int(lengths[idx].max()), bucket, cfg.max_len)
-        tokens = np.zeros((len(idx), T), np.int32)  # id 0 exists in every vocabulary
-        for j, i in enumerate(idx):
-            tokens[j, :lengths[i]] = rows[i]
-        ex = None if extras is None else jax.tree_util.tree_map(lambda x: pad_rows(np.asarray(x)[idx], B), extras)
-        yield idx, pad_rows(tokens, B), pad_rows(lengths[idx], B), ex
-
-
-def _check_lengths(rows: list, cfg, variables) -> None:
-    """Refuse prompts past a learned-positions model's last position before tracing: under jit the model
-    would return NaN for them, which an argmax turns into a silently wrong prediction."""
-    if cfg.positions != "learned":
-        return
-    room = cfg.max_len - position_offset(variables)
-    longest = max(len(r) for r in rows)
-    if longest > room:
-        raise SequenceTooLongError(f"the longest prompt has {longest} tokens but this model's learned positions "
-                                   f"hold {room} (max_len={cfg.max_len}); use fewer demonstrations or shorter "
-                                   f"inputs")
+    key = ("evaluate.logprobs", model, forward, edit_names, edits_fn, with_extras)
+    return compiled.get(key, lambda: jax.jit(run))
 
 
 def _check_finite(logprobs: np.ndarray) -> None:
@@ -215,15 +82,6 @@ def _check_finite(logprobs: np.ndarray) -> None:
         bad = int(np.sum(~np.all(np.isfinite(logprobs), axis=-1)))
         raise LiniclError(f"the forward pass gave non-finite log-probabilities for {bad} row(s) (token ids "
                           f"outside the vocabulary, positions past max_len, or an edit that produces NaN/inf)")
-
-
-def _check_extras(extras, n: int):
-    if extras is None:
-        return
-    for leaf in jax.tree_util.tree_leaves(extras):
-        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:
-            raise LiniclError(f"extras: every array needs axis 0 of size {n} (one row per prompt), got "
-                              f"shape {np.shape(leaf)}")
 
 
 def run_logprobs(model, variables, prompts, *, forward: Optional[Callable] = None, edits=None, extras=None,
@@ -235,23 +93,26 @@ def run_logprobs(model, variables, prompts, *, forward: Optional[Callable] = Non
     machinery behind ``label_logprobs`` and ``evaluate``; ``stats`` (a dict) receives
     ``seconds``, ``n_tokens`` (real) and ``n_padded_tokens`` (computed)."""
     cfg = config_of(model)
+    rows = batching.as_rows(prompts)
+    batching.check_room(rows, cfg, position_offset(variables))
+    batching.check_extras(extras, len(rows))
+    plan = plan_edits(edits, cfg)
+    fn = _logprob_fn(model, forward, plan.names, plan.fn, extras is not None)
     mesh = device_mesh() if mesh is None else mesh
-    rows = _as_rows(prompts)
-    _check_lengths(rows, cfg, variables)
-    _check_extras(extras, len(rows))
-    edit_names, edit_values, edits_fn = _split_edits(edits, cfg)
-    fn = _logprob_fn(model, forward, edit_names, edits_fn, extras is not None)
-    replicated = (replicate(variables, mesh), replicate(edit_values, mesh))
-    out: list = [None] * len(rows)
     n_padded, start = 0, time.perf_counter()
-    for idx, tokens, lengths, ex in _batches(rows, cfg, batch_size, bucket, mesh, progress, desc, extras):
-        res = run_sharded(lambda rep, t, le, e: fn(rep[0], rep[1], t, le, e), replicated,
-                          [tokens, lengths, ex], mesh)
+
+    def run(rep, tokens, lengths, ex):
+        nonlocal n_padded
         n_padded += tokens.size
-        _check_finite(res)
-        res = res if select is None else select(res)
-        for j, i in enumerate(idx):
-            out[i] = jax.tree_util.tree_map(lambda x: x[j], res)
+        return fn(rep[0], rep[1], tokens, lengths, ex)
+
+    def checked(parts):
+        for idx, res in parts:
+            _check_finite(res)
+            yield idx, (res if select is None else select(res))
+    parts = batching.map_rows(run, (variables, plan.values), rows, cfg=cfg, batch_size=batch_size,
+                              bucket=bucket, extras=extras, mesh=mesh, progress=progress, desc=desc)
+    out = batching.gather(checked(parts), len(rows))
     if stats is not None:
         stats.update(seconds=time.perf_counter() - start, n_tokens=int(sum(len(r) for r in rows)),
                      n_padded_tokens=int(n_padded))
@@ -415,5 +276,4 @@ def evaluate(model, variables, tokenizer, task: Task, *, k: int, seed: int = 0, 
                             extras=extras, mesh=mesh, progress=progress)
 
 
-__all__ = ["EvalResult", "evaluate", "evaluate_prompts", "label_logprobs", "run_logprobs",
-           "last_token_logits", "bucket_length", "apply_edits"]
+__all__ = ["EvalResult", "evaluate", "evaluate_prompts", "label_logprobs", "run_logprobs"]

@@ -2,8 +2,9 @@
 
 In causal linear attention a prompt acts on later tokens only through each layer's and head's state
 (S = sum phi(k) v^T, z = sum phi(k)). ``convert`` runs the model once over the prompt and stores every
-layer's final state, re-based for rope, plus the position offset for learned positions, in the
-``"iclca"`` collection of an ordinary variables dict::
+layer's final state, re-based for rope, in the ``"prompt_state"`` collection of an ordinary variables
+dict, plus the query's first position in ``"position"`` (``offset``; it moves for learned positions
+only)::
 
     converted = convert(model, variables, prompt)                       # prompt int32[batch or 1, n]
     model.apply(converted, query) == model.apply(variables, concat([prompt, query], 1))[:, n:]
@@ -17,20 +18,23 @@ refused: for them the prompt is not a finite state, and only an approximate conv
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
+from linicl import compiled
 from linicl._validate import check_fits, check_tokens
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError, NotExactError
 from linicl.interventions import capture
 from linicl.kernels import prompt_kernels
 from linicl.kernels.positions import apply_rope
-from linicl.nn.attention import CACHE, ICLCA, PromptApprox
+from linicl.kernels.softmax_attention import repeat_kv
+from linicl.names import (APPROX_FORMS, APPROX_KERNELS, DECODE, POSITION, PROMPT_APPROX, PROMPT_COLLECTIONS,
+                          PROMPT_STATE, block_site, layer_scope, scope_layer)
 from linicl.nn.transformer import config_of, position_offset
 
 Variables = Mapping[str, Any]
@@ -54,19 +58,13 @@ def _check_variables(variables) -> None:
                           + (f" with keys {sorted(variables)}" if isinstance(variables, Mapping) else ""))
 
 
-def offset_of(variables: Variables) -> int:
-    """Position of the first query token for these converted variables (0 unless learned positions)."""
-    return position_offset(variables)
-
-
-@functools.lru_cache(maxsize=64)
 def _absorb_fn(model):
-    """jit(variables, prompt) -> the 'iclca' collection after the prompt. Logits are never
-    returned, so XLA drops the final norm and the unembedding."""
+    """jit(variables, prompt) -> the prompt_state and position collections after the prompt. Logits
+    are never returned, so XLA drops the final norm and the unembedding."""
     def absorb(variables, prompt):
-        _, state = model.apply(variables, prompt, mutable=[ICLCA])
-        return state[ICLCA]
-    return jax.jit(absorb)
+        _, state = model.apply(variables, prompt, mutable=[PROMPT_STATE, POSITION])
+        return state
+    return compiled.get(("iclca.absorb", model), lambda: jax.jit(absorb))
 
 
 def convert(model, variables: Variables, prompt) -> dict:
@@ -78,9 +76,9 @@ def convert(model, variables: Variables, prompt) -> dict:
         follows the earlier one.
       prompt: ``int32[batch, n]``. A batch-1 prompt serves queries of any batch size.
     Returns:
-      A new variables dict: ``variables`` with the ``"iclca"`` collection holding, per layer
-      ``layers_l/attn``, ``S: [batch, heads, d_phi, d_head]`` and ``z: [batch, heads, d_phi]``, and the
-      query's first position ``offset`` (learned positions; 0 otherwise).
+      A new variables dict: ``variables`` with the ``"prompt_state"`` collection holding, per layer
+      ``layers_l/attn``, ``S: [batch, heads, d_phi, d_head]`` and ``z: [batch, heads, d_phi]``, and
+      ``"position"`` holding the query's first position ``offset`` (learned positions; 0 otherwise).
     Raises:
       NotExactError: softmax model. LiniclError: bad prompt or variables.
       SequenceTooLongError: learned positions and offset + n > max_len.
@@ -89,9 +87,9 @@ def convert(model, variables: Variables, prompt) -> dict:
     _check_variables(variables)
     prompt = jnp.asarray(check_tokens("prompt", prompt, cfg.vocab_size))
     if cfg.positions == "learned":
-        check_fits("prompt", offset_of(variables), prompt.shape[1], cfg.max_len, "learned positions")
+        check_fits("prompt", position_offset(variables), prompt.shape[1], cfg.max_len, "learned positions")
     state = _absorb_fn(model)(dict(variables), prompt)
-    return {**variables, ICLCA: state}
+    return {**variables, **state}
 
 
 def to_trainable(model, converted: Variables):
@@ -101,7 +99,7 @@ def to_trainable(model, converted: Variables):
     ``params`` hold the state as ``S_bias``/``z_bias`` (added to any bias already there), so that the
     stored prompt can be fine-tuned like any weight (e.g. as the initialisation of a PrefixMemory-style
     bias). ``model'.apply(variables', query) == model.apply(converted, query)``. The state must have
-    batch 1; a learned-positions offset stays in the ``"iclca"`` collection (it is not a weight).
+    batch 1; a learned-positions offset stays in the ``"position"`` collection (it is not a weight).
     """
     cfg = require_exact(model)
     terms = bias_terms(converted)
@@ -110,15 +108,13 @@ def to_trainable(model, converted: Variables):
                           f"{terms[0][0].shape[0]}")
     params = dict(converted["params"])  # each touched layer below is copied, not mutated
     for layer, (S, z) in enumerate(terms):
-        attn = dict(params[f"layers_{layer}"]["attn"])
+        scope = layer_scope(layer)
+        attn = dict(params[scope]["attn"])
         attn["S_bias"] = attn.get("S_bias", 0) + S[0]
         attn["z_bias"] = attn.get("z_bias", 0) + z[0]
-        params[f"layers_{layer}"] = {**params[f"layers_{layer}"], "attn": attn}
+        params[scope] = {**params[scope], "attn": attn}
     trainable = type(model)(cfg.replace(trainable_bias=True))
-    rest = {k: v for k, v in converted.items() if k not in ("params", ICLCA)}
-    offset = converted[ICLCA].get("offset")
-    if offset is not None and cfg.positions == "learned":
-        rest[ICLCA] = {"offset": offset}
+    rest = {k: v for k, v in converted.items() if k not in ("params", PROMPT_STATE)}
     return trainable, {**rest, "params": params}
 
 
@@ -138,16 +134,16 @@ def nonnegative_z_bias(params):
 
 def strip(variables: Variables) -> dict:
     """The variables without any stored prompt (the no-prompt model)."""
-    return {k: v for k, v in variables.items() if k != ICLCA}
+    return {k: v for k, v in variables.items() if k not in PROMPT_COLLECTIONS}
 
 
 def bias_terms(variables: Variables) -> list[tuple[jax.Array, jax.Array]]:
     """The stored (S, z) of every layer, in layer order: ``[(S[b, H, d_phi, d_v], z[b, H, d_phi]), ...]``."""
-    if ICLCA not in variables:
-        raise LiniclError("variables hold no converted prompt (no 'iclca' collection); call convert")
-    layers = variables[ICLCA]
-    names = sorted((k for k in layers if k.startswith("layers_")), key=lambda s: int(s.split("_")[1]))
-    return [(layers[n]["attn"]["S"], layers[n]["attn"]["z"]) for n in names]
+    if PROMPT_STATE not in variables:
+        raise LiniclError(f"variables hold no converted prompt (no '{PROMPT_STATE}' collection); call convert")
+    layers = variables[PROMPT_STATE]
+    scopes = sorted((k for k in layers if scope_layer(k) is not None), key=scope_layer)
+    return [(layers[s]["attn"]["S"], layers[s]["attn"]["z"]) for s in scopes]
 
 
 def state_floats(cfg: ModelConfig) -> int:
@@ -156,30 +152,43 @@ def state_floats(cfg: ModelConfig) -> int:
 
 
 # ------------------------------------------------------------------------------ approximate (softmax)
-APPROX_FORMS = ("shared", "mix")
+@struct.dataclass
+class PromptApprox:
+    """A softmax layer's kernel-approximated prompt (``variables["prompt_approx"][layer]["attn"]["approx"]``).
+
+    Attributes:
+      B: ``f[batch or 1, heads, F, d_head]``, b: ``f[batch or 1, heads, F]``: the prompt's bias terms.
+      W: positive-random-feature projections ``f[heads, m, d_head]`` (kernel ``"prf"``), else None.
+      sink_k, sink_v: ``f[batch or 1, kv_heads, s, d_head]`` prompt keys (rotated) and values kept
+        exact, with their positions ``sink_pos: int32[s]``; None when no token is kept.
+      kernel: ``"taylor2"``, ``"prf"`` or ``"elu+1"`` (static).
+      lam: None for the shared normaliser, else the fixed input weight of the lambda-mix (static).
+    """
+
+    B: jax.Array
+    b: jax.Array
+    W: Optional[jax.Array] = None
+    sink_k: Optional[jax.Array] = None
+    sink_v: Optional[jax.Array] = None
+    sink_pos: Optional[jax.Array] = None
+    kernel: str = struct.field(pytree_node=False, default="taylor2")
+    lam: Optional[float] = struct.field(pytree_node=False, default=None)
 
 
-@functools.lru_cache(maxsize=16)
 def _prompt_kv_fn(model):
     """jit(variables, prompt) -> per layer (k, v) of the prompt as the decode cache holds them
     (``[batch, kv_heads, n, d_head]``, keys rotated to positions 0..n-1): exact, by causality."""
     def run(variables, prompt):
-        _, state = model.apply(variables, prompt, mutable=[CACHE])
+        _, state = model.apply(variables, prompt, mutable=[DECODE])
         n = prompt.shape[1]
-        return [(state[CACHE][f"layers_{l}"]["attn"]["cached_k"][:, :, :n],
-                 state[CACHE][f"layers_{l}"]["attn"]["cached_v"][:, :, :n])
-                for l in range(config_of(model).n_layers)]
-    return jax.jit(run)
-
-
-def _repeat(cfg: ModelConfig, a):
-    rep = cfg.n_heads // cfg.kv_heads
-    return a if rep == 1 else jnp.repeat(a, rep, axis=1)
+        layers = (state[DECODE][layer_scope(l)]["attn"] for l in range(config_of(model).n_layers))
+        return [(a["cached_k"][:, :, :n], a["cached_v"][:, :, :n]) for a in layers]
+    return compiled.get(("iclca.prompt_kv", model), lambda: jax.jit(run))
 
 
 def _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs) -> None:
-    if kernel not in prompt_kernels.APPROX_KERNELS:
-        raise LiniclError(f"kernel must be one of {prompt_kernels.APPROX_KERNELS}, got {kernel!r}")
+    if kernel not in APPROX_KERNELS:
+        raise LiniclError(f"kernel must be one of {APPROX_KERNELS}, got {kernel!r}")
     if form not in APPROX_FORMS:
         raise LiniclError(f"form must be one of {APPROX_FORMS}, got {form!r}")
     if form == "mix" and not 0.0 <= lam <= 1.0:
@@ -217,15 +226,15 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         softmax mass, so the fit targets the attention mixture), with ridge ``ridge`` * mean diagonal.
         Needs a batch-1 prompt.
     Returns:
-      Variables with the ``"iclca"`` collection holding, per layer, a ``PromptApprox`` and the query's
-      position ``offset = n``. On a linear-attention model: ``convert(model, variables, prompt)``,
+      Variables with the ``"prompt_approx"`` collection holding, per layer, a ``PromptApprox``, and
+      ``"position"`` the query's position ``offset = n``. On a linear-attention model: ``convert(model, variables, prompt)``,
       which is exact (the kernel arguments do not apply).
     """
     cfg = config_of(model)
     if cfg.attention == "linear":
         return convert(model, variables, prompt)
     _check_variables(variables)
-    if ICLCA in variables:
+    if any(c in variables for c in PROMPT_COLLECTIONS):
         raise LiniclError("variables already hold a converted prompt; convert the whole prompt at once "
                           "(iclca.strip(variables) gives the plain model)")
     prompt = jnp.asarray(check_tokens("prompt", prompt, cfg.vocab_size))
@@ -241,23 +250,22 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         W = (prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features,
                                            cfg.head_dim, k.dtype) if kernel == "prf" else None)
         if fit is None:
-            B, b = prompt_kernels.prompt_state(kernel, _repeat(cfg, k[:, :, sinks:]),
-                                               _repeat(cfg, v[:, :, sinks:]), W)
+            B, b = prompt_kernels.prompt_state(kernel, repeat_kv(k[:, :, sinks:], cfg.n_heads),
+                                               repeat_kv(v[:, :, sinks:], cfg.n_heads), W)
         else:
             B, b = _solve(*fit[l], ridge, k.dtype)
-        layers[f"layers_{l}"] = {"attn": {"approx": PromptApprox(
+        layers[layer_scope(l)] = {"attn": {"approx": PromptApprox(
             B=B, b=b, W=W, sink_k=k[:, :, :sinks] if sinks else None, sink_v=v[:, :, :sinks] if sinks else None,
             sink_pos=jnp.arange(sinks, dtype=jnp.int32) if sinks else None, kernel=kernel,
             lam=None if form == "shared" else float(lam))}}
-    return {**variables, ICLCA: {**layers, "offset": jnp.asarray(n, jnp.int32)}}
+    return {**variables, PROMPT_APPROX: layers, POSITION: {"offset": jnp.asarray(n, jnp.int32)}}
 
 
-@functools.lru_cache(maxsize=16)
 def _fit_fn(model, kernel: str, sinks: int, n: int):
     """jit(variables, tokens, Ws) -> per layer (A [H, R, F], Y [H, R, d+1]): the weighted regression
     rows phi(q_r) / M_r and targets [N_r, Z_r] / M_r, M_r being the query's total softmax mass."""
     cfg = config_of(model)
-    names = [f"blocks.{l}.attn.hook_{s}" for l in range(cfg.n_layers) for s in ("q", "v", "attn_scores")]
+    names = [block_site(l, h) for l in range(cfg.n_layers) for h in ("hook_q", "hook_v", "hook_attn_scores")]
 
     def run(variables, tokens, Ws):
         _, acts = capture(model, variables, tokens, names=names)
@@ -267,7 +275,7 @@ def _fit_fn(model, kernel: str, sinks: int, n: int):
             q = jnp.swapaxes(acts[names[3 * l]], 1, 2)  # [m, H, T, d]
             if cfg.positions == "rope":
                 q = apply_rope(q, jnp.arange(T), cfg.rope_base, cfg.rope_style)
-            v = _repeat(cfg, jnp.swapaxes(acts[names[3 * l + 1]], 1, 2))[:, :, sinks:n]
+            v = repeat_kv(jnp.swapaxes(acts[names[3 * l + 1]], 1, 2), cfg.n_heads)[:, :, sinks:n]
             s = acts[names[3 * l + 2]][:, :, n:, :]  # rows of the input queries, all keys
             visible = jnp.arange(T)[None, :] <= (n + jnp.arange(T - n))[:, None]
             log_mass = jax.nn.logsumexp(jnp.where(visible, s, -jnp.inf), axis=-1)  # [m, H, t]
@@ -278,7 +286,7 @@ def _fit_fn(model, kernel: str, sinks: int, n: int):
             out.append((jnp.swapaxes(phi, 0, 1).reshape(cfg.n_heads, R, -1),
                         jnp.swapaxes(Y, 0, 1).reshape(cfg.n_heads, R, -1)))
         return out
-    return jax.jit(run)
+    return compiled.get(("iclca.fit", model, kernel, sinks, n), lambda: jax.jit(run))
 
 
 def _fit_targets(model, variables, prompt, fit_inputs, kernel, sinks, n_features, seed):

@@ -25,54 +25,50 @@ and ``hook_pattern`` ``[batch, heads, q_seq, k_seq]``; ``mlp.hook_pre``/``hook_p
 
 from __future__ import annotations
 
-import functools
-import re
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linicl import compiled
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
-from linicl.nn.hooks import INTERMEDIATES, INTERVENTIONS, Edit
-from linicl.nn.transformer import config_of
-
-_ATTN_SITES = ("hook_q", "hook_k", "hook_v", "hook_z")
-_SCORE_SITES = ("hook_attn_scores", "hook_pattern")
-_BLOCK_SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "hook_mlp_out",
-                "hook_resid_post")
-_MLP_SITES = ("hook_pre", "hook_post")
-# cache["pattern", 3] shorthands -> the module part of the full name
-_SHORT = {**{s[5:]: "attn" for s in _ATTN_SITES + _SCORE_SITES},
-          **{s[5:]: "" for s in _BLOCK_SITES}, **{f"mlp_{s[5:]}": "mlp" for s in _MLP_SITES}}
-_NAME = re.compile(r"^blocks\.(\d+)\.(?:(attn|mlp)\.)?(hook_\w+)$")
+from linicl.names import (INTERMEDIATES, INTERVENTIONS, SCORE_SITES, layer_scope, short_site, site_layer, site_name,
+                          site_path)
+from linicl.nn.hooks import Edit
+from linicl.nn.transformer import Transformer, config_of
 
 
 def site_names(cfg: ModelConfig) -> Tuple[str, ...]:
-    """Every site name of a model with this config, in forward order."""
-    top = ["hook_embed"] + (["hook_pos_embed"] if cfg.positions == "learned" else [])
-    attn = _ATTN_SITES[:3] + (_SCORE_SITES if cfg.attention == "softmax" else ()) + _ATTN_SITES[3:]
-    per_block = (["hook_resid_pre"] + [f"attn.{s}" for s in attn] + list(_BLOCK_SITES[1:4])
-                 + [f"mlp.{s}" for s in _MLP_SITES] + list(_BLOCK_SITES[4:]))
-    names = top + [f"blocks.{l}.{s}" for l in range(cfg.n_layers) for s in per_block]
-    return tuple(names + (["ln_final.hook_normalized"] if cfg.has_final_norm else []))
+    """Every site name of a model with this config, in forward order.
+
+    Read off the model itself: an abstract trace (``jax.eval_shape``, no computation) of one forward
+    pass that captures every site, so the list cannot drift from the ``site(...)`` calls of the
+    modules. Every block is the same module with the same config, so one block is traced and its
+    sites are repeated for each layer. Traced once per config (``linicl.compiled``)."""
+    if not isinstance(cfg, ModelConfig):
+        raise LiniclError(f"site_names needs a ModelConfig, got {type(cfg).__name__}")
+    return compiled.get(("interventions.site_names", cfg), lambda: _traced_site_names(cfg))
 
 
-def _path(name: str) -> Tuple[str, ...]:
-    """``blocks.3.attn.hook_q`` -> ``("layers_3", "attn", "hook_q")`` (the variable path)."""
-    m = _NAME.match(name)
-    if m is None:
-        return (name,)
-    layer, module, hook = m.groups()
-    return (f"layers_{layer}",) + ((module,) if module else ()) + (hook,)
+def _traced_site_names(cfg: ModelConfig) -> Tuple[str, ...]:
+    model = Transformer(cfg.replace(n_layers=1))
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+    traced: list = []
 
+    def trace(v, t):  # read the names inside the trace: the sown dicts keep the forward order there
+        _, state = model.apply(v, t, mutable=[INTERMEDIATES])
+        traced.extend(_flatten(state[INTERMEDIATES]))
+        return 0
 
-def _name(path: Sequence[str]) -> str:
-    """The inverse of ``_path``."""
-    if path and path[0].startswith("layers_"):
-        return ".".join(["blocks", path[0][len("layers_"):], *path[1:]])
-    return ".".join(path)
+    jax.eval_shape(trace, variables, tokens)
+    block = [n for n in traced if site_layer(n) == 0]
+    first = traced.index(block[0])
+    per_layer = [site_path(n)[1:] for n in block]  # the path inside the block
+    blocks = [site_name((layer_scope(l),) + p) for l in range(cfg.n_layers) for p in per_layer]
+    return tuple(traced[:first] + blocks + traced[first + len(block):])
 
 
 def full_name(name, layer: Optional[int] = None) -> str:
@@ -81,11 +77,10 @@ def full_name(name, layer: Optional[int] = None) -> str:
         name, layer = name
     if layer is None:
         return name
-    if name not in _SHORT:
-        raise LiniclError(f"unknown short site name {name!r}; use one of {sorted(_SHORT)} or a full name")
-    module = _SHORT[name]
-    hook = "hook_" + (name[4:] if module == "mlp" else name)
-    return f"blocks.{layer}." + (f"{module}." if module else "") + hook
+    try:
+        return short_site(name, layer)
+    except ValueError as e:
+        raise LiniclError(str(e)) from None
 
 
 def check_names(cfg: ModelConfig, names: Iterable[str], what: str = "names") -> None:
@@ -95,7 +90,7 @@ def check_names(cfg: ModelConfig, names: Iterable[str], what: str = "names") -> 
     bad = [n for n in names if n not in valid]
     if bad:
         hint = ("; linear attention has no hook_attn_scores/hook_pattern"
-                if any(n.endswith(_SCORE_SITES) for n in bad) and cfg.attention == "linear" else "")
+                if any(n.endswith(SCORE_SITES) for n in bad) and cfg.attention == "linear" else "")
         raise LiniclError(f"{what}: no site {bad} in this model ({cfg.n_layers} layers{hint}); "
                           f"valid names: linicl.interventions.site_names(cfg)")
 
@@ -108,8 +103,8 @@ class ActivationCache(dict):
 
     def stack(self, short: str) -> jax.Array:
         """``cache.stack("resid_post")``: ``[layers, ...]`` of one site over all layers present."""
-        layers = sorted(int(m.group(1)) for n in self if (m := _NAME.match(n))
-                        and n == full_name(short, int(m.group(1))))
+        layers = sorted(site_layer(n) for n in self
+                        if site_layer(n) is not None and n == full_name(short, site_layer(n)))
         if not layers:
             raise LiniclError(f"the cache holds no {short!r} site")
         return jnp.stack([self[short, l] for l in layers])
@@ -119,7 +114,7 @@ def _flatten(tree: Mapping, prefix: Tuple[str, ...] = ()) -> dict:
     out = {}
     for key, value in tree.items():
         if isinstance(value, tuple):  # a sown value: (x,)
-            out[_name(prefix + (key,))] = value[-1]
+            out[site_name(prefix + (key,))] = value[-1]
         else:
             out.update(_flatten(value, prefix + (key,)))
     return out
@@ -138,14 +133,14 @@ def capture(model, variables, tokens=None, *, names: Optional[Sequence[str]] = N
     return out, (acts if names is None else {n: acts[n] for n in names})
 
 
-@functools.lru_cache(maxsize=64)
 def _jitted_capture(model, names, with_embeds: bool, call_items):
     def run(variables, x):
         kwargs = dict(call_items)
         if with_embeds:
             return capture(model, variables, names=names, embeds=x, **kwargs)
         return capture(model, variables, x, names=names, **kwargs)
-    return jax.jit(run)
+    key = ("interventions.capture", model, names, with_embeds, call_items)
+    return compiled.get(key, lambda: jax.jit(run))
 
 
 def run_with_cache(model, variables, tokens=None, *, names: Optional[Sequence[str]] = None,
@@ -232,12 +227,65 @@ def with_edits(variables: Mapping, edits: Sequence[Tuple[str, Edit]], cfg: Optio
     for name, e in edits:
         if not isinstance(e, Edit):
             raise LiniclError(f"edits must be (name, Edit) pairs; got {type(e).__name__} for {name!r}")
-        *scopes, leaf = _path(name)
+        *scopes, leaf = site_path(name)
         node = tree
         for s in scopes:
             node = node.setdefault(s, {})
         node[leaf] = node.get(leaf, ()) + (e,)
     return {**variables, INTERVENTIONS: tree}
+
+
+def _merged(a: Any, b: Any) -> Any:
+    """Two ``interventions`` trees joined; at a site present in both, ``a``'s edits apply first."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return tuple(a) + tuple(b)
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = _merged(out[key], value) if key in out else value
+    return out
+
+
+def add_edits(variables: Mapping, edits: Sequence[Tuple[str, Edit]], cfg: Optional[ModelConfig] = None):
+    """``variables`` with ``edits`` applied after any edits they already hold (``with_edits`` would
+    replace those), so that a method's edits compose with a pre-edited model."""
+    edited = with_edits(variables, edits, cfg)
+    if INTERVENTIONS not in variables:
+        return edited
+    return {**edited, INTERVENTIONS: _merged(variables[INTERVENTIONS], edited[INTERVENTIONS])}
+
+
+class EditPlan(NamedTuple):
+    """The ``edits`` argument of a batched method, split for a jitted function: the site ``names``
+    (static), their ``Edit`` values (traced: new values of the same structure do not recompile) and an
+    optional function ``fn(tokens, lengths[, extras]) -> [(name, Edit), ...]`` traced per batch."""
+
+    names: tuple
+    values: tuple
+    fn: Optional[Callable]
+
+    def apply(self, variables, cfg: ModelConfig, values, tokens, lengths, *extras):
+        """``variables`` with the plan's edits for this batch (``values`` as passed to the jitted
+        function) added after the ones they hold."""
+        edits = list(zip(self.names, values))
+        if self.fn is not None:
+            edits += list(self.fn(tokens, lengths, *extras))
+        return add_edits(variables, edits, cfg) if edits else variables
+
+
+def plan_edits(edits, cfg: ModelConfig) -> EditPlan:
+    """An ``EditPlan`` from a list of ``(name, Edit)`` (checked now) or a function returning them."""
+    if edits is None:
+        return EditPlan((), (), None)
+    if callable(edits):
+        return EditPlan((), (), edits)
+    pairs = list(edits)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], Edit)):
+            raise LiniclError(f"edits must be (name, Edit) pairs from linicl.interventions (or a function "
+                              f"returning them), got {pair!r:.80}")
+    names = tuple(full_name(n) for n, _ in pairs)
+    check_names(cfg, names, "edits")
+    return EditPlan(names, tuple(e for _, e in pairs), None)
 
 
 def run_with_edits(model, variables, tokens=None, edits: Sequence[Tuple[str, Edit]] = (), **call_kwargs):

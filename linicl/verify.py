@@ -20,7 +20,8 @@ from linicl import iclca
 from linicl.config import ModelConfig
 from linicl.errors import NotExactError
 from linicl.metrics import rel_err
-from linicl.nn.attention import CACHE
+from linicl.errors import LiniclError
+from linicl.names import DECODE
 from linicl.nn.transformer import Transformer
 from linicl.timing import time_call
 
@@ -110,7 +111,7 @@ def _check_softmax(cfg: ModelConfig, n: int, batch: int, seed: int) -> dict:
         refused = False
     except NotExactError:
         refused = True
-    step = jax.jit(lambda v, t: model.apply(v, t, mutable=[CACHE]))
+    step = jax.jit(lambda v, t: model.apply(v, t, mutable=[DECODE]))
     logits, state = step(variables, x[:, : n // 2])
     outs = [logits]
     for t in range(n // 2, n):
@@ -124,7 +125,9 @@ def _check_softmax(cfg: ModelConfig, n: int, batch: int, seed: int) -> dict:
 def run(prompt_len: int = 500, query_len: int = 16, batch: int = 4, seed: int = 0,
         quick: bool = False, progress: bool = True) -> dict:
     """Check every zoo model; returns the JSON-ready report."""
-    jax.config.update("jax_enable_x64", True)  # float64 models need it; float32 ones stay float32
+    if not jax.config.jax_enable_x64:  # library code never flips the process-wide flag itself
+        raise LiniclError("verify.run checks float64 models: enable x64 first "
+                          "(jax.config.update('jax_enable_x64', True); the `linicl verify` command does)")
     from tqdm.auto import tqdm
 
     models = zoo()

@@ -31,7 +31,9 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_functions():
-    """Drop jit caches after each test module: a long (thorough) session otherwise keeps every
-    compiled executable of every example alive."""
+    """Drop linicl's compiled functions and jax's caches after each test module: a long (thorough)
+    session otherwise keeps every compiled executable of every example alive."""
     yield
+    import linicl.compiled
+    linicl.compiled.clear()
     jax.clear_caches()

@@ -119,7 +119,7 @@ def test_under_jit_out_of_range_becomes_nan_not_a_wrong_answer():
     assert np.all(np.isnan(bad[:, 1:]))
     soft = linicl.preset("tiny-softmax-rope", max_len=4)
     m2, v2 = init(soft)
-    step = jax.jit(lambda v, t: m2.apply(v, t, mutable=["cache"]))
+    step = jax.jit(lambda v, t: m2.apply(v, t, mutable=["decode"]))
     _, state = step(v2, tokens(0, 1, 3, soft.vocab_size))
     out, _ = step({**v2, **state}, tokens(1, 1, 2, soft.vocab_size))
     assert np.all(np.isnan(out))

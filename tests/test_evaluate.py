@@ -17,10 +17,10 @@ import linicl.lm
 from linicl import data
 from linicl.data import Example, Task, batch_prompts, build_eval_set
 from linicl.errors import LiniclError, SequenceTooLongError
-from linicl.evaluate import (EvalResult, bucket_length, evaluate, evaluate_prompts, label_logprobs,
-                             last_token_logits)
+from linicl.batching import bucket_length, last_token_logits
+from linicl.evaluate import EvalResult, evaluate, evaluate_prompts, label_logprobs
 from linicl.interventions import add, at_last, replace, run_with_cache, with_edits
-from linicl.parallel import collect_activations
+from linicl.activations import collect_activations
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 

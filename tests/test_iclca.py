@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 
 import linicl
 from linicl import iclca
+from linicl.nn.transformer import position_offset
 from helpers import (BASELINE_MIN, EXACT_RTOL, apply, examples, init, linear_configs, prompt_and_query,
                      rel_err, tokens)
 
@@ -106,8 +107,8 @@ def test_convert_jits_and_vmaps_without_retracing():
     assert fn._cache_size() == 1
     # vmap over a stack of prompts: one converted state per prompt.
     prompts = jnp.stack([tokens(s, 1, 6, cfg.vocab_size) for s in range(4)])
-    states = jax.vmap(lambda p: iclca.convert(model, variables, p)["iclca"])(prompts)
-    S0 = iclca.convert(model, variables, prompts[2])["iclca"]["layers_1"]["attn"]["S"]
+    states = jax.vmap(lambda p: iclca.convert(model, variables, p)["prompt_state"])(prompts)
+    S0 = iclca.convert(model, variables, prompts[2])["prompt_state"]["layers_1"]["attn"]["S"]
     assert rel_err(states["layers_1"]["attn"]["S"][2], S0) <= EXACT_RTOL
 
 
@@ -157,7 +158,7 @@ def test_float32_conversion_is_exact_to_float32_rounding():
     prompt, query = prompt_and_query(1, 1, 200, 4, 16, cfg.vocab_size)
     reference = prompted(model, variables, prompt, query)
     converted = iclca.convert(model, variables, prompt)
-    assert converted["iclca"]["layers_0"]["attn"]["S"].dtype == jnp.float32
+    assert converted["prompt_state"]["layers_0"]["attn"]["S"].dtype == jnp.float32
     assert apply(model, converted, query).dtype == jnp.float32
     assert rel_err(apply(model, converted, query), reference) <= 1e-4
     assert rel_err(apply(model, variables, query), reference) >= BASELINE_MIN
@@ -167,19 +168,19 @@ def test_learned_positions_keep_the_offset():
     cfg = linicl.preset("tiny-linear-learned", dtype="float64")
     model, variables = init(cfg)
     converted = iclca.convert(model, variables, tokens(1, 1, 13, cfg.vocab_size))
-    assert iclca.offset_of(converted) == 13
-    assert iclca.offset_of(iclca.convert(model, converted, tokens(2, 1, 4, cfg.vocab_size))) == 17
+    assert position_offset(converted) == 13
+    assert position_offset(iclca.convert(model, converted, tokens(2, 1, 4, cfg.vocab_size))) == 17
     rope = linicl.preset("tiny-linear-rope-decay", dtype="float64")
     m2, v2 = init(rope)
-    assert iclca.offset_of(iclca.convert(m2, v2, tokens(1, 1, 13, rope.vocab_size))) == 0  # re-based
+    assert position_offset(iclca.convert(m2, v2, tokens(1, 1, 13, rope.vocab_size))) == 0  # re-based
 
 
 def test_state_size_is_independent_of_prompt_length():
     cfg = linicl.preset("tiny-linear", dtype="float64", feature_map="taylor2")
     model, variables = init(cfg)
-    sizes = {sum(x.size for x in jax.tree.leaves(iclca.convert(model, variables, tokens(0, 1, n, cfg.vocab_size))["iclca"]))
+    sizes = {sum(x.size for x in jax.tree.leaves(iclca.convert(model, variables, tokens(0, 1, n, cfg.vocab_size))["prompt_state"]))
              for n in (1, 50)}
-    assert sizes == {iclca.state_floats(cfg) + 1}  # + the offset scalar
+    assert sizes == {iclca.state_floats(cfg)}  # the offset lives in the "position" collection
 
 
 @pytest.mark.parametrize("name", ["tiny-linear-rope-decay", "tiny-linear-learned"])

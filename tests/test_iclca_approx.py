@@ -14,6 +14,7 @@ from hypothesis import given, strategies as st
 
 import linicl
 from linicl import iclca
+from linicl.nn.transformer import position_offset
 from linicl.errors import LiniclError, NotExactError, SequenceTooLongError
 from helpers import BASELINE_MIN, EXACT_RTOL, softmax_configs, apply, examples, init, linear_configs, rel_err, tokens
 
@@ -95,7 +96,7 @@ def test_decoding_after_conversion_matches_the_full_forward(preset):
     converted = iclca.convert_approx(model, variables, tokens(6, 1, 9, cfg.vocab_size), kernel="prf", sinks=2)
     query = tokens(7, 2, 5, cfg.vocab_size)
     full = apply(model, converted, query)
-    step = jax.jit(lambda v, t: model.apply(v, t, mutable=["cache"]))
+    step = jax.jit(lambda v, t: model.apply(v, t, mutable=["decode"]))
     v, outs = converted, []
     for t in range(query.shape[1]):
         out, cache = step(v, query[:, t:t + 1])
@@ -109,9 +110,9 @@ def test_shapes_dtypes_and_learned_offset():
     model, variables = init(cfg, 0)
     converted = iclca.convert_approx(model, variables, tokens(0, 1, 5, cfg.vocab_size), kernel="prf",
                                      n_features=32, sinks=1)
-    approx = converted["iclca"]["layers_0"]["attn"]["approx"]
+    approx = converted["prompt_approx"]["layers_0"]["attn"]["approx"]
     assert approx.B.shape == (1, cfg.n_heads, 32, cfg.head_dim) and approx.B.dtype == jnp.float32
-    assert approx.sink_k.shape == (1, 2, 1, cfg.head_dim) and iclca.offset_of(converted) == 5
+    assert approx.sink_k.shape == (1, 2, 1, cfg.head_dim) and position_offset(converted) == 5
     out = apply(model, converted, tokens(1, 3, 4, cfg.vocab_size))
     assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
 

@@ -13,7 +13,7 @@ from hypothesis import assume, given, reject, strategies as st
 from jax.experimental import checkify
 
 import linicl
-from linicl import iclca, implicit
+from linicl import compiled, iclca, implicit
 from linicl.interventions import with_edits
 from linicl.errors import DegenerateInputError, LiniclError, NotExactError
 from linicl.nn.hooks import Edit
@@ -90,8 +90,9 @@ def fresh(every: int = 8):
     _EXAMPLES[0] += 1
     if _EXAMPLES[0] % every == 0:
         jax.clear_caches()
-        for cached in (_model_fn, _captured, implicit._convert_fn):
+        for cached in (_model_fn, _captured):
             cached.cache_clear()
+        compiled.clear()  # implicit.convert's jitted functions
 
 
 def defined(*trees):
@@ -373,8 +374,8 @@ def test_convert_with_embeddings_vmaps_over_tasks_and_keeps_a_learned_offset():
     one = implicit.convert(model, variables, X[1, :-1], X[1, -1:])
     assert rel_err(one["params"]["layers_1"]["mlp"]["fc_in"]["kernel"],
                    batched["params"]["layers_1"]["mlp"]["fc_in"]["kernel"][1]) <= EXACT_RTOL
-    # A learned-positions offset (a stored iclca offset): the query alone sits at it.
-    shifted = {**variables, "iclca": {"offset": jnp.asarray(5, jnp.int32)}}
+    # A learned-positions offset (the "position" collection): the query alone sits at it.
+    shifted = {**variables, "position": {"offset": jnp.asarray(5, jnp.int32)}}
     toks = tokens(1, 1, 7, cfg.vocab_size)[0]
     patched = implicit.convert(model, shifted, toks[:-1], toks[-1:])
     assert rel_err(apply(model, patched, toks[None, -1:])[0, -1], apply(model, shifted, toks[None])[0, -1]) <= EXACT_RTOL

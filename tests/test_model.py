@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import linicl
-from linicl.nn.attention import CACHE, ICLCA
+from linicl.names import DECODE
 from helpers import (BASELINE_MIN, EXACT_RTOL, any_configs, apply, examples, init, linear_configs, rel_err,
                      tokens)
 
@@ -47,8 +47,7 @@ def test_kernel_forms_agree_in_the_model(cfg, T, seed):
 
 def decode_steps(model, variables, x, prefill: int):
     """Logits of x computed as one prefill call then one token at a time with the decode state."""
-    col = ICLCA if model.cfg.attention == "linear" else CACHE
-    step = jax.jit(lambda v, t: model.apply(v, t, mutable=[col]))
+    step = jax.jit(lambda v, t: model.apply(v, t, mutable=[DECODE]))
     logits, state = step(variables, x[:, :prefill])
     out = [logits]
     for t in range(prefill, x.shape[1]):

@@ -13,7 +13,8 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 
-from linicl.parallel import device_mesh, pad_rows, replicate, round_up, run_sharded, shard_batch
+from linicl.batching import pad_rows, round_up, run_sharded
+from linicl.parallel import device_mesh, replicate, shard_batch
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -27,9 +28,11 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec
     import linicl.lm
     from linicl.data import Example, Task, batch_prompts, build_eval_set
-    from linicl.evaluate import evaluate, label_logprobs, last_token_logits
+    from linicl.activations import collect_activations
+    from linicl.batching import last_token_logits, pad_rows, run_sharded
+    from linicl.evaluate import evaluate, label_logprobs
     from linicl.metrics import rel_err
-    from linicl.parallel import collect_activations, device_mesh, pad_rows, replicate, run_sharded, shard_batch
+    from linicl.parallel import device_mesh, replicate, shard_batch
 
     out = dict(device_count=jax.device_count())
     model, variables, tok = linicl.lm.from_pretrained(sys.argv[1], dtype="float64")

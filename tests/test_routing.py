@@ -10,7 +10,8 @@ import pytest
 import linicl
 from linicl import routing as R
 from linicl.errors import DataError, LiniclError
-from linicl.evaluate import last_token_logits, run_logprobs
+from linicl.batching import last_token_logits
+from linicl.evaluate import run_logprobs
 from linicl.interventions import capture, with_edits
 from helpers import BASELINE_MIN, EXACT_RTOL, init, rel_err, tokens
 
@@ -135,7 +136,7 @@ def test_save_and_load_round_trips(setup, tmp_path):
     with pytest.raises(DataError, match="bad.npz"):
         R.PIDs.load(tmp_path / "bad.npz")
     with pytest.raises(DataError, match="nowhere"):
-        R.load_router(tmp_path / "nowhere.msgpack")
+        R.load_router(tmp_path / "nowhere.safetensors")
 
 
 def test_training_resumes_from_a_checkpoint(setup, tmp_path, monkeypatch):
@@ -156,11 +157,11 @@ def test_training_resumes_from_a_checkpoint(setup, tmp_path, monkeypatch):
         if len(calls) == 5:  # the 5th step (t = 4) never runs
             raise Stop
         return schedule(progress)
-    ckpt = tmp_path / "ckpt.msgpack"
-    monkeypatch.setattr(R, "alpha_schedule", stopping)
+    ckpt = tmp_path / "ckpt.safetensors"
+    monkeypatch.setattr(R.training, "alpha_schedule", stopping)
     with pytest.raises(Stop):
         R.train_router(model, variables, pids, data, checkpoint=ckpt, checkpoint_every=2, **kw)
-    monkeypatch.setattr(R, "alpha_schedule", schedule)
+    monkeypatch.setattr(R.training, "alpha_schedule", schedule)
     assert ckpt.exists()
     _, resumed, history = R.train_router(model, variables, pids, data, checkpoint=ckpt, checkpoint_every=2, **kw)
     same = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), whole, resumed)

@@ -6,7 +6,7 @@ from linicl.data.datasets import (AGNEWS_LABEL_WORDS, CB_LABEL_WORDS, CB_LABEL_W
                                   SST2_LABEL_WORDS, TREC_LABEL_WORDS, TREC_LABEL_WORDS_PAPER, DataError,
                                   Example, Task, list_tasks, load_task, resolve_data_dir)
 from linicl.data.prompts import (BOS, DEMO_INPUT, DEMO_LABEL, INSTRUCTION, PAD, QUERY, SEPARATOR, TEMPLATES,
-                                 Prompt, PromptBatch, Role, Template, Tokenizer, batch_prompts,
+                                 Prompt, PromptBatch, Role, Template, TextEncoder, batch_prompts,
                                  build_eval_set, build_prompt, check_label_words, sample_demos, template_for,
                                  tokenization_mismatch)
 
@@ -14,6 +14,6 @@ __all__ = ["DataError", "Example", "Task", "list_tasks", "load_task", "resolve_d
            "SST2_LABEL_WORDS", "TREC_LABEL_WORDS", "TREC_LABEL_WORDS_PAPER", "AGNEWS_LABEL_WORDS",
            "CB_LABEL_WORDS", "CB_LABEL_WORDS_ABC",
            "Role", "PAD", "BOS", "INSTRUCTION", "SEPARATOR", "DEMO_INPUT", "DEMO_LABEL", "QUERY",
-           "Template", "TEMPLATES", "template_for", "Tokenizer", "Prompt", "PromptBatch", "sample_demos",
+           "Template", "TEMPLATES", "template_for", "TextEncoder", "Prompt", "PromptBatch", "sample_demos",
            "build_prompt", "tokenization_mismatch", "check_label_words", "batch_prompts",
            "build_eval_set"]

@@ -50,7 +50,7 @@ class Role(IntEnum):
 PAD, BOS, INSTRUCTION, SEPARATOR, DEMO_INPUT, DEMO_LABEL, QUERY = Role
 
 
-class Tokenizer(Protocol):
+class TextEncoder(Protocol):
     """What the prompt builder needs. ``encode`` returns ids without special tokens. An optional
     attribute ``bos_id: int | None`` makes ``build_prompt`` prepend that id."""
 
@@ -238,21 +238,21 @@ class Prompt:
         return np.flatnonzero(self.roles == role)
 
 
-def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+def _encode(tokenizer: TextEncoder, text: str) -> list[int]:
     ids = [int(i) for i in tokenizer.encode(text)]
     if any(i < 0 or i > np.iinfo(np.int32).max for i in ids):
         raise LiniclError(f"tokenizer.encode({text[:40]!r}) returned ids outside int32 range >= 0")
     return ids
 
 
-def _bos(tokenizer: Tokenizer, add_bos: bool | None) -> list[int]:
+def _bos(tokenizer: TextEncoder, add_bos: bool | None) -> list[int]:
     bos = getattr(tokenizer, "bos_id", None)
     if add_bos and bos is None:
         raise LiniclError("add_bos=True but the tokenizer has no bos_id (or it is None)")
     return [int(bos)] if bos is not None and add_bos is not False else []
 
 
-def _by_segment(segs: list[Segment], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+def _by_segment(segs: list[Segment], tokenizer: TextEncoder) -> tuple[list[int], list[int]]:
     tokens: list[int] = []
     roles: list[int] = []
     for text, role in segs:
@@ -262,7 +262,7 @@ def _by_segment(segs: list[Segment], tokenizer: Tokenizer) -> tuple[list[int], l
     return tokens, roles
 
 
-def _by_whole_text(segs: list[Segment], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+def _by_whole_text(segs: list[Segment], tokenizer: TextEncoder) -> tuple[list[int], list[int]]:
     """Encode the whole text, then give each token the role of the characters it decodes to. Tokens
     are decoded in the smallest groups that reproduce the text (a character split over several byte
     tokens decodes only as a group); a group that straddles two roles is refused."""
@@ -293,7 +293,7 @@ def _by_whole_text(segs: list[Segment], tokenizer: Tokenizer) -> tuple[list[int]
     return tokens, roles
 
 
-def build_prompt(template: Template, demos: Sequence[Example], query: Example, tokenizer: Tokenizer,
+def build_prompt(template: Template, demos: Sequence[Example], query: Example, tokenizer: TextEncoder,
                  *, add_bos: bool | None = None, strict: bool = False,
                  tokenization: str = "segments") -> Prompt:
     """Tokenize ``demos`` + ``query`` (module docstring).
@@ -323,7 +323,7 @@ def build_prompt(template: Template, demos: Sequence[Example], query: Example, t
     return prompt
 
 
-def tokenization_mismatch(prompt: Prompt, tokenizer: Tokenizer) -> int | None:
+def tokenization_mismatch(prompt: Prompt, tokenizer: TextEncoder) -> int | None:
     """First index where ``prompt.tokens`` differs from ``tokenizer.encode(prompt.text)`` (after any
     BOS), or None when they are equal."""
     n_bos = int(np.sum(prompt.roles == BOS))
@@ -335,7 +335,7 @@ def tokenization_mismatch(prompt: Prompt, tokenizer: Tokenizer) -> int | None:
     return None if len(mine) == len(whole) else n_bos + min(len(mine), len(whole))
 
 
-def check_label_words(labels: Sequence[str], tokenizer: Tokenizer, *, prefix: str = " ") -> np.ndarray:
+def check_label_words(labels: Sequence[str], tokenizer: TextEncoder, *, prefix: str = " ") -> np.ndarray:
     """Token ids int32[n_labels] of ``prefix + word`` for each label word. Each must be exactly one
     token and the ids distinct (label-restricted scoring reads one logit per label); otherwise a
     LiniclError lists every offending word with its tokenization."""
@@ -396,7 +396,7 @@ def batch_prompts(prompts: Sequence[Prompt], pad_id: int = 0, *, pad_to: int | N
                        tuple(p.label for p in prompts))
 
 
-def build_eval_set(task: Task, tokenizer: Tokenizer, *, k: int, seed: int = 0, n_eval: int | None = None,
+def build_eval_set(task: Task, tokenizer: TextEncoder, *, k: int, seed: int = 0, n_eval: int | None = None,
                    template: Template | None = None, same_demos: bool = False, balanced: bool = True,
                    add_bos: bool | None = None, tokenization: str = "segments") -> list[Prompt]:
     """Prompts for ``n_eval`` test queries (all when None or when the test set is smaller, as in the

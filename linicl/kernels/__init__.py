@@ -4,7 +4,7 @@ from linicl.kernels import feature_maps, positions
 from linicl.kernels.linear_attention import (LinearState, chunked, choose_form, linear_attention,
                                              parallel, recurrent, zero_state)
 from linicl.kernels.positions import apply_rope
-from linicl.kernels.softmax_attention import softmax_attention
+from linicl.kernels.softmax_attention import repeat_kv, softmax_attention
 
 __all__ = ["feature_maps", "positions", "LinearState", "chunked", "choose_form", "linear_attention",
-           "parallel", "recurrent", "zero_state", "apply_rope", "softmax_attention"]
+           "parallel", "recurrent", "zero_state", "apply_rope", "repeat_kv", "softmax_attention"]

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-FORMS = ("auto", "parallel", "chunked", "recurrent")
+from linicl.names import FORMS
 
 
 class LinearState(NamedTuple):

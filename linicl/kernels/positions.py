@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-ROPE_STYLES = ("interleaved", "half")
+from linicl.names import ROPE_STYLES
 
 
 def rope_frequencies(dim: int, base: float, dtype) -> jax.Array:

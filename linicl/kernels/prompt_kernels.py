@@ -21,14 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from linicl.kernels.feature_maps import taylor2
+from linicl.names import APPROX_KERNELS
 
-APPROX_KERNELS = ("taylor2", "prf", "elu+1")
-
-
-def feature_width(kernel: str, d: int, n_features: int) -> int:
-    if kernel not in APPROX_KERNELS:
-        raise ValueError(f"kernel must be one of {APPROX_KERNELS}, got {kernel!r}")
-    return {"taylor2": 1 + d + d * d, "prf": n_features, "elu+1": d}[kernel]
 
 
 def prf_projection(key: jax.Array, heads: int, n_features: int, d: int, dtype) -> jax.Array:

@@ -14,6 +14,13 @@ import jax
 import jax.numpy as jnp
 
 
+def repeat_kv(a: jax.Array, n_heads: int) -> jax.Array:
+    """Grouped-query attention: ``f[batch, kv_heads, seq, d]`` -> ``f[batch, n_heads, seq, d]``, query
+    head h reading key/value head ``h // (n_heads // kv_heads)`` (the HF ``repeat_kv`` order)."""
+    rep = n_heads // a.shape[1]
+    return a if rep == 1 else jnp.repeat(a, rep, axis=1)
+
+
 def causal_mask(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     """``bool[q_seq, k_seq]``: True where the key may be attended."""
     return k_pos[None, :] <= q_pos[:, None]

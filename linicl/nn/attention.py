@@ -1,16 +1,18 @@
 """Multi-head causal attention as a Linen module: linear (with a state) or softmax (with a KV cache).
 
-Variable collections:
+Variable collections (their names and contents: ``linicl.names``):
 * ``params``: ``q`` (DenseGeneral, kernel ``[d_model, heads, d_head]``), ``k``, ``v`` (kernel
   ``[d_model, kv_heads, d_head]``; grouped-query attention shares each key/value head among
-  ``heads // kv_heads`` query heads), ``o`` (kernel ``[heads, d_head, d_model]``); with ``cfg.trainable_bias``, ``S_bias: [heads, d_phi, d_head]`` and
-  ``z_bias: [heads, d_phi]``, zero-initialised.
-* ``iclca`` (linear attention only): ``S: [batch or 1, heads, d_phi, d_head]``, ``z: [batch or 1, heads,
-  d_phi]``, the state a prompt left behind. Read as the initial state when present; when the
-  collection is mutable, the final state is written back (re-based for rope), so one ``apply`` with
-  ``mutable=["iclca"]`` both converts a prompt and advances a decode.
-* ``cache`` (softmax attention only, when mutable): keys, values (``kv_heads`` of them) and their
-  positions for decoding.
+  ``heads // kv_heads`` query heads), ``o`` (kernel ``[heads, d_head, d_model]``); with
+  ``cfg.trainable_bias``, ``S_bias: [heads, d_phi, d_head]`` and ``z_bias: [heads, d_phi]``, zero-initialised.
+* ``prompt_state`` (linear attention): ``S: [batch or 1, heads, d_phi, d_head]``, ``z: [batch or 1,
+  heads, d_phi]``, the state a prompt left behind, read as the initial state. When the collection is
+  mutable the final state is written back (re-based for rope): that is ``iclca.convert``.
+* ``decode``: the running state of a decode. Linear attention keeps its ``S``, ``z`` there (started
+  from ``prompt_state``, which it then supersedes); softmax attention its keys, values (``kv_heads`` of
+  them), their positions and the fill index.
+* ``prompt_approx`` (softmax attention): ``approx``, a kernel-approximated prompt
+  (``linicl.iclca.PromptApprox``, read through its attributes only: the type belongs to the method).
 
 Sites (``linicl.nn.hooks``): ``hook_q``, ``hook_k``, ``hook_v`` (projections before rope),
 ``hook_z`` (per-head output before ``o``), all ``[batch, seq, heads, d_head]``; softmax attention also
@@ -21,10 +23,8 @@ has ``hook_attn_scores`` (scaled logits before the causal mask) and ``hook_patte
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import flax.linen as nn
-from flax import struct
 import jax
 import jax.numpy as jnp
 
@@ -33,35 +33,11 @@ from linicl.errors import LiniclError
 from linicl.kernels import feature_maps, prompt_kernels
 from linicl.kernels.linear_attention import LinearState, linear_attention
 from linicl.kernels.positions import apply_rope
-from linicl.kernels.softmax_attention import attention_logits, causal_mask
+from linicl.kernels.softmax_attention import attention_logits, causal_mask, repeat_kv
+from linicl.names import DECODE, PROMPT_APPROX, PROMPT_STATE
 from linicl.nn.hooks import site
 
-ICLCA = "iclca"
-CACHE = "cache"
 _EMPTY_SLOT = jnp.iinfo(jnp.int32).max  # key position of an unfilled cache slot: later than any query
-
-
-@struct.dataclass
-class PromptApprox:
-    """A softmax layer's kernel-approximated prompt (``variables["iclca"][layer]["attn"]["approx"]``).
-
-    Attributes:
-      B: ``f[batch or 1, heads, F, d_head]``, b: ``f[batch or 1, heads, F]``: the prompt's bias terms.
-      W: positive-random-feature projections ``f[heads, m, d_head]`` (kernel ``"prf"``), else None.
-      sink_k, sink_v: ``f[batch or 1, kv_heads, s, d_head]`` prompt keys (rotated) and values kept
-        exact, with their positions ``sink_pos: int32[s]``; None when no token is kept.
-      kernel: ``"taylor2"``, ``"prf"`` or ``"elu+1"`` (static).
-      lam: None for the shared normaliser, else the fixed input weight of the lambda-mix (static).
-    """
-
-    B: jax.Array
-    b: jax.Array
-    W: Optional[jax.Array] = None
-    sink_k: Optional[jax.Array] = None
-    sink_v: Optional[jax.Array] = None
-    sink_pos: Optional[jax.Array] = None
-    kernel: str = struct.field(pytree_node=False, default="taylor2")
-    lam: Optional[float] = struct.field(pytree_node=False, default=None)
 
 
 def rebase_state(S: jax.Array, shift: int, base: float, style: str = "interleaved") -> jax.Array:
@@ -73,10 +49,15 @@ def rebase_state(S: jax.Array, shift: int, base: float, style: str = "interleave
     return jnp.swapaxes(apply_rope(jnp.swapaxes(S, -1, -2), -shift, base, style), -1, -2)
 
 
-def _advancing(module: nn.Module, collection: str) -> bool:
+def advancing(module: nn.Module, collection: str) -> bool:
     """True when this call should write its state back: the collection is mutable and this is not
     ``init`` (which makes every collection mutable but must not store the init tokens)."""
     return module.is_mutable_collection(collection) and not module.is_initializing()
+
+
+def _batched(a: jax.Array, batch: int, dtype) -> jax.Array:
+    """A stored ``[batch or 1, ...]`` array broadcast to ``batch`` rows."""
+    return jnp.broadcast_to(a, (batch,) + a.shape[1:]).astype(dtype)
 
 
 class Attention(nn.Module):
@@ -93,17 +74,11 @@ class Attention(nn.Module):
         q, k, v = (jnp.swapaxes(site(self, f"hook_{n}", dense(sizes[n], name=n)(x), head_axis=2), 1, 2)
                    for n in ("q", "k", "v"))
         if cfg.attention == "linear":
-            o = self._linear(q, self._repeat_kv(k), self._repeat_kv(v), positions)
+            o = self._linear(q, repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads), positions)
         else:
             o = self._softmax(q, k, v, positions)
         z = site(self, "hook_z", jnp.swapaxes(o, 1, 2), head_axis=2)
         return dense(cfg.d_model, axis=(-2, -1), name="o")(z)
-
-    def _repeat_kv(self, a: jax.Array) -> jax.Array:
-        """``[batch, kv_heads, seq, d]`` -> ``[batch, heads, seq, d]``: query head h reads key/value
-        head ``h // (heads // kv_heads)`` (the HF ``repeat_kv`` order)."""
-        rep = self.cfg.n_heads // self.cfg.kv_heads
-        return a if rep == 1 else jnp.repeat(a, rep, axis=1)
 
     # ------------------------------------------------------------------ linear attention
     def _linear(self, q, k, v, positions):
@@ -119,8 +94,9 @@ class Attention(nn.Module):
         o, final = linear_attention(fq, fk, v, state, q_den=q_den, k_den=k_den,
                                     log_gamma=self._log_gamma(), normalize=cfg.normalize,
                                     eps=cfg.attn_eps, form=cfg.form, chunk_size=cfg.chunk_size)
-        if _advancing(self, ICLCA):
-            self._store(final, bias, q.shape[2])
+        for collection in (PROMPT_STATE, DECODE):
+            if advancing(self, collection):
+                self._store(collection, final, bias, q.shape[2])
         return o
 
     def _log_gamma(self):
@@ -130,7 +106,8 @@ class Attention(nn.Module):
         return jnp.log(jnp.asarray(gammas, self.cfg.jnp_dtype))
 
     def _initial_state(self, batch: int):
-        """(S0, z0) broadcast to the batch: the trainable bias (if any) plus the stored ICL state."""
+        """(S0, z0) broadcast to the batch: the trainable bias (if any) plus the stored state (the
+        running decode state when there is one, else the converted prompt's)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         F, H, dv = cfg.feature_dim, cfg.n_heads, cfg.head_dim
         S, z = jnp.zeros((1, H, F, dv), dt), jnp.zeros((1, H, F), dt)
@@ -139,29 +116,30 @@ class Attention(nn.Module):
             bias = LinearState(self.param("S_bias", nn.initializers.zeros, (H, F, dv), dt),
                                self.param("z_bias", nn.initializers.zeros, (H, F), dt))
             S, z = S + bias.S, z + bias.z
-        if self.has_variable(ICLCA, "S"):
-            S_icl, z_icl = self.get_variable(ICLCA, "S"), self.get_variable(ICLCA, "z")
+        stored = DECODE if self.has_variable(DECODE, "S") else PROMPT_STATE
+        if self.has_variable(stored, "S"):
+            S_icl, z_icl = self.get_variable(stored, "S"), self.get_variable(stored, "z")
             if S_icl.shape[1:] != (H, F, dv) or z_icl.shape[1:] != (H, F):
                 raise LiniclError(
-                    f"variables['{ICLCA}'] of {self.path_str()} has S{tuple(S_icl.shape)}, "
+                    f"variables['{stored}'] of {self.path_str()} has S{tuple(S_icl.shape)}, "
                     f"z{tuple(z_icl.shape)}; this model expects S[batch, {H}, {F}, {dv}], z[batch, {H}, {F}]")
             if S_icl.shape[0] not in (1, batch):
                 raise LiniclError(
-                    f"variables['{ICLCA}'] holds a state for batch {S_icl.shape[0]} but the tokens "
+                    f"variables['{stored}'] holds a state for batch {S_icl.shape[0]} but the tokens "
                     f"have batch {batch}; convert with a batch-1 prompt to serve any query batch")
             S, z = S + S_icl.astype(dt), z + z_icl.astype(dt)
         S = jnp.broadcast_to(S, (batch, H, F, dv))
         z = jnp.broadcast_to(z, (batch, H, F))
         return LinearState(S, z), bias
 
-    def _store(self, final: LinearState, bias, n_tokens: int):
+    def _store(self, collection: str, final: LinearState, bias, n_tokens: int):
         S, z = final
         if self.cfg.positions == "rope":
             S = rebase_state(S, n_tokens, self.cfg.rope_base, self.cfg.rope_style)
         if bias is not None:  # the bias is added again on every call: store only the rest
             S, z = S - bias.S, z - bias.z
-        self.put_variable(ICLCA, "S", S)
-        self.put_variable(ICLCA, "z", z)
+        self.put_variable(collection, "S", S)
+        self.put_variable(collection, "z", z)
 
     def path_str(self) -> str:
         return "/".join(self.scope.path) if self.scope is not None else "attention"
@@ -171,49 +149,55 @@ class Attention(nn.Module):
         cfg = self.cfg
         # Context of an "fn" edit at hook_attn_scores: the rotated q, k it scores (repeated to every
         # head) and the projections before rope, [batch, seq, heads, d_head] (keys: kv_heads; this
-        # call's tokens only, so not when a cache adds earlier keys).
+        # call's tokens only, so not when a cache or a stored prompt adds earlier keys).
         raw = {"q_proj": jnp.swapaxes(q, 1, 2), "k_proj": jnp.swapaxes(k, 1, 2)}
         if cfg.positions == "rope":
             q, k = (apply_rope(a, positions, cfg.rope_base, cfg.rope_style) for a in (q, k))
-        k_pos = positions
-        decoding = _advancing(self, CACHE)
+        k_pos, overflow = positions, None
+        decoding = advancing(self, DECODE)
         if decoding:
             k, v, k_pos, overflow = self._update_cache(k, v, positions)
-        approx = self.get_variable(ICLCA, "approx") if self.has_variable(ICLCA, "approx") else None
+        approx = self.get_variable(PROMPT_APPROX, "approx") if self.has_variable(PROMPT_APPROX, "approx") else None
         if approx is not None and approx.sink_k is not None:  # prompt tokens kept exact
-            B = q.shape[0]
-            k = jnp.concatenate([jnp.broadcast_to(approx.sink_k, (B,) + approx.sink_k.shape[1:]).astype(k.dtype), k], 2)
-            v = jnp.concatenate([jnp.broadcast_to(approx.sink_v, (B,) + approx.sink_v.shape[1:]).astype(v.dtype), v], 2)
-            k_pos = jnp.concatenate([approx.sink_pos.astype(k_pos.dtype), k_pos])
-        k, v = self._repeat_kv(k), self._repeat_kv(v)
+            k, v, k_pos = self._with_sinks(approx, k, v, k_pos)
+        k, v = repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads)
         logits = site(self, "hook_attn_scores", attention_logits(q, k), pos_axis=2, head_axis=1,
                       context={"q": q, "k": k, "q_pos": positions, "k_pos": k_pos,
                                **({} if decoding or approx is not None else raw)})
-        # Causal: a key is visible from queries at or after its position. Non-causal: every filled
-        # key (an unfilled cache slot is never visible).
-        visible = (causal_mask(positions, k_pos) if cfg.causal
-                   else jnp.broadcast_to(k_pos[None, :] != _EMPTY_SLOT, (positions.shape[0], k_pos.shape[0])))
-        logits = jnp.where(visible, logits, -jnp.inf)
+        logits = jnp.where(self._visible(positions, k_pos), logits, -jnp.inf)
         if approx is None:
             pattern = site(self, "hook_pattern", jax.nn.softmax(logits, axis=-1), pos_axis=2, head_axis=1)
             o = jnp.einsum("bhts,bhsd->bhtd", pattern, v.astype(pattern.dtype))
         else:
             o = self._with_prompt(approx, q, logits, v)
         o = o.astype(v.dtype)
-        if decoding:
+        if overflow is not None:
             # Under jit a full cache cannot raise; make the overflow visible instead of wrong.
             o = jnp.where(overflow, jnp.nan, o)
         return o
 
+    def _visible(self, q_pos, k_pos) -> jax.Array:
+        """``bool[q_seq, k_seq]``. Causal: a key is visible from queries at or after its position.
+        Non-causal: every filled key (an unfilled cache slot is never visible)."""
+        if self.cfg.causal:
+            return causal_mask(q_pos, k_pos)
+        return jnp.broadcast_to(k_pos[None, :] != _EMPTY_SLOT, (q_pos.shape[0], k_pos.shape[0]))
+
+    @staticmethod
+    def _with_sinks(approx, k, v, k_pos):
+        """Prepend the prompt tokens an approximate conversion kept exact (its sinks)."""
+        B = k.shape[0]
+        k = jnp.concatenate([_batched(approx.sink_k, B, k.dtype), k], 2)
+        v = jnp.concatenate([_batched(approx.sink_v, B, v.dtype), v], 2)
+        return k, v, jnp.concatenate([approx.sink_pos.astype(k_pos.dtype), k_pos])
+
     def _with_prompt(self, approx, q, logits, v):
-        """Softmax attention over the visible keys plus a kernel-approximated prompt (``iclca``
-        collection, ``approx``: see ``linicl.iclca.convert_approx``). ``hook_pattern`` then holds the
+        """Softmax attention over the visible keys plus a kernel-approximated prompt
+        (``prompt_approx``: see ``linicl.iclca.convert_approx``). ``hook_pattern`` then holds the
         weights of the real keys; 1 minus its row sum is the prompt's share."""
-        B = q.shape[0]
+        B, dt = q.shape[0], logits.dtype
         phi_q = prompt_kernels.features(approx.kernel, q, approx.W)
-        N, Z = prompt_kernels.prompt_terms(phi_q.astype(logits.dtype),
-                                           jnp.broadcast_to(approx.B, (B,) + approx.B.shape[1:]).astype(logits.dtype),
-                                           jnp.broadcast_to(approx.b, (B,) + approx.b.shape[1:]).astype(logits.dtype))
+        N, Z = prompt_kernels.prompt_terms(phi_q.astype(dt), _batched(approx.B, B, dt), _batched(approx.b, B, dt))
         if approx.lam is None:  # one normaliser shared by the prompt and the input
             weights, c = prompt_kernels.shared_softmax(logits, Z)
             pattern = site(self, "hook_pattern", weights, pos_axis=2, head_axis=1)
@@ -228,10 +212,10 @@ class Attention(nn.Module):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         B, H, T, dh = k.shape  # H = kv_heads: the cache stores the un-repeated keys and values
         shape = (B, H, cfg.max_len, dh)
-        ck = self.variable(CACHE, "cached_k", jnp.zeros, shape, dt)
-        cv = self.variable(CACHE, "cached_v", jnp.zeros, shape, dt)
-        cpos = self.variable(CACHE, "k_pos", lambda: jnp.full((cfg.max_len,), _EMPTY_SLOT, jnp.int32))
-        idx = self.variable(CACHE, "index", lambda: jnp.zeros((), jnp.int32))
+        ck = self.variable(DECODE, "cached_k", jnp.zeros, shape, dt)
+        cv = self.variable(DECODE, "cached_v", jnp.zeros, shape, dt)
+        cpos = self.variable(DECODE, "k_pos", lambda: jnp.full((cfg.max_len,), _EMPTY_SLOT, jnp.int32))
+        idx = self.variable(DECODE, "index", lambda: jnp.zeros((), jnp.int32))
         if ck.value.shape[0] != B:
             raise LiniclError(f"the decode cache holds batch {ck.value.shape[0]}, tokens have batch {B}")
         start = idx.value

@@ -27,15 +27,18 @@ import jax.numpy as jnp
 
 from linicl.config import ModelConfig
 from linicl.nn.attention import Attention
+from linicl.names import ACTIVATIONS
 from linicl.nn.hooks import site
 
-ACTIVATIONS = {
+# One function per name of linicl.names.ACTIVATIONS (ModelConfig validates the name).
+ACTIVATION_FNS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
     "tanh": jnp.tanh,
 }
+assert tuple(ACTIVATION_FNS) == ACTIVATIONS
 
 
 def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
@@ -62,7 +65,7 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         dense = functools.partial(nn.Dense, use_bias=cfg.has_mlp_bias, dtype=dt, param_dtype=dt)
-        act = ACTIVATIONS[cfg.activation]
+        act = ACTIVATION_FNS[cfg.activation]
         pre = site(self, "hook_pre", dense(cfg.d_ff, name="fc_in")(x))
         if cfg.mlp == "gated":
             h = act(dense(cfg.d_ff, name="fc_gate")(x)) * pre

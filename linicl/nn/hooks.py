@@ -29,10 +29,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from linicl.errors import LiniclError
+from linicl.names import EDIT_OPS, INTERMEDIATES, INTERVENTIONS
 
-INTERVENTIONS = "interventions"
-INTERMEDIATES = "intermediates"
-EDIT_OPS = ("add", "scale", "replace", "fn")
 
 
 @struct.dataclass

@@ -1,9 +1,10 @@
 """The zoo's language model: ``Transformer(cfg)``, ``tokens int32[batch, seq] -> logits f[batch, seq, vocab]``.
 
-Positions: the first token of a call sits at ``offset`` (``variables["iclca"]["offset"]``, 0 when absent)
-plus, when decoding a softmax model, the number of tokens already in the cache. With
-``mutable=["iclca"]`` a call also advances ``offset`` for learned positions (rope and decay states are
-re-based instead, so their next token is always at position 0).
+Positions: the first token of a call sits at ``offset`` (``variables["position"]["offset"]``, 0 when
+absent) plus, while decoding (``mutable=["decode"]``), the number of tokens already read, kept in
+``decode/n_tokens`` (except in linear attention with rope, whose state is re-based so that its next
+token always sits at position 0). With ``mutable=["prompt_state", "position"]`` (``iclca.convert``)
+a call also advances ``offset`` for learned positions (rope states are re-based instead).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 from linicl._validate import check_fits, check_tokens, take_rows
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
-from linicl.nn.attention import CACHE, ICLCA, _advancing
+from linicl.names import DECODE, POSITION
+from linicl.nn.attention import advancing
 from linicl.nn.block import Block, make_norm
 from linicl.nn.hooks import site
 
@@ -36,8 +38,8 @@ def config_of(model) -> ModelConfig:
 
 def position_offset(variables: Mapping[str, Any]) -> int:
     """Position of the first token a call with these variables reads (0 unless a prompt was stored
-    in a model with learned positions)."""
-    return int(np.asarray(variables.get(ICLCA, {}).get("offset", 0)))
+    in a model with learned positions, or approximately converted)."""
+    return int(np.asarray(variables.get(POSITION, {}).get("offset", 0)))
 
 
 class Transformer(nn.Module):
@@ -97,16 +99,18 @@ class Transformer(nn.Module):
         """``int32[T]`` positions of this call's tokens; advances the position counters if mutable."""
         cfg = self.cfg
         offset = jnp.zeros((), jnp.int32)
-        if self.has_variable(ICLCA, "offset"):
-            offset = jnp.asarray(self.get_variable(ICLCA, "offset"), jnp.int32)
+        if self.has_variable(POSITION, "offset"):
+            offset = jnp.asarray(self.get_variable(POSITION, "offset"), jnp.int32)
         start = offset
-        if cfg.attention == "softmax" and _advancing(self, CACHE):
-            filled = self.variable(CACHE, "n_tokens", lambda: jnp.zeros((), jnp.int32))
-            start = offset + filled.value
-            check_fits("tokens", filled.value, T, cfg.max_len, "the decode cache")
-            filled.value = filled.value + T
+        if advancing(self, DECODE):
+            read = self.variable(DECODE, "n_tokens", lambda: jnp.zeros((), jnp.int32))
+            if cfg.attention == "softmax":
+                check_fits("tokens", read.value, T, cfg.max_len, "the decode cache")
+            if not (cfg.attention == "linear" and cfg.positions == "rope"):  # re-based instead
+                start = offset + read.value
+            read.value = read.value + T
         if cfg.positions == "learned":
             check_fits("tokens", start, T, cfg.max_len, "learned positions")
-        if _advancing(self, ICLCA):
-            self.put_variable(ICLCA, "offset", offset + T if cfg.positions == "learned" else offset)
+        if advancing(self, POSITION):
+            self.put_variable(POSITION, "offset", offset + T if cfg.positions == "learned" else offset)
         return start + jnp.arange(T, dtype=jnp.int32)

@@ -1,0 +1,82 @@
+"""One block run on sequences and on single tokens, and the pieces the implicit update is made of.
+
+``block_sites`` runs a block on ``Z: f[..., T, d]`` (the zoo's own ``Block``, so every block form is
+covered) and returns the values it sows at its sites; ``alone`` runs it on each token as a one-token
+sequence. ``pieces`` pairs the two: g, q with context and f, p for the reference run alone (see
+``linicl.implicit`` for the theory and the references ``"query"`` / ``"own"``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linicl import names
+from linicl.config import ModelConfig
+from linicl.errors import LiniclError
+from linicl.nn.block import Block
+
+
+def _block_call(cfg: ModelConfig, block_params, Z, positions, interventions=None) -> dict:
+    """Block on ``Z: f[batch, T, d]``: its output and every site it sows (one pass)."""
+    variables = {names.PARAMS: block_params}
+    if interventions:
+        variables[names.INTERVENTIONS] = interventions
+    out, state = Block(cfg).apply(variables, Z, positions, mutable=[names.INTERMEDIATES])
+    sown = state[names.INTERMEDIATES]
+    sites = {site: sown[site][-1] for site in names.BLOCK_SITES}
+    sites["hook_q"] = sown["attn"]["hook_q"][-1]
+    # The block's return value, not the sown one: that is what the next block (and the theorem) sees.
+    sites["hook_resid_post"] = out
+    return sites
+
+
+def block_sites(cfg: ModelConfig, block_params, Z, positions=None, interventions=None) -> dict:
+    """Sites of one block run on ``Z: f[..., T, d]`` (leading axes: tasks), each ``f[..., T, d]``
+    (``hook_q``: ``f[..., T, heads, d_head]``). ``positions``: ``int[T]``, default 0..T-1."""
+    Z = jnp.asarray(Z)
+    lead, (T, d) = Z.shape[:-2], Z.shape[-2:]
+    if positions is None:
+        positions = jnp.arange(T, dtype=jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    sites = _block_call(cfg, block_params, Z.reshape((-1, T, d)), positions, interventions)
+    return {k: v.reshape(lead + v.shape[1:]) for k, v in sites.items()}
+
+
+def alone(cfg: ModelConfig, block_params, x, position=0, interventions=None) -> dict:
+    """Sites of the block run on each token of ``x: f[..., d]`` as a one-token sequence at
+    ``position``: each ``f[..., d]`` (the reference values f = ``hook_mlp_in``, p = ``hook_resid_mid``)."""
+    x = jnp.asarray(x)
+    positions = jnp.reshape(jnp.asarray(position, jnp.int32), (1,))
+    sites = _block_call(cfg, block_params, x.reshape((-1, 1, x.shape[-1])), positions, interventions)
+    return {k: v[:, 0].reshape(x.shape[:-1] + v.shape[2:]) for k, v in sites.items()}
+
+
+class Pieces(NamedTuple):
+    """What the operators need from one block (shapes: see ``linicl.implicit``)."""
+
+    g: jax.Array    # f[..., T, d]  MLP input with context
+    q: jax.Array    # f[..., T, d]  residual the MLP output is added to, with context
+    f: jax.Array    # f[..., 1 or T, d]  MLP input of the reference alone
+    p: jax.Array    # f[..., 1 or T, d]  residual of the reference alone
+    out: jax.Array  # f[..., T, d]  block output with context (what the patched block must give)
+    x: jax.Array    # f[..., 1 or T, d]  the reference tokens (block inputs)
+
+
+def check_reference(reference: str) -> None:
+    if reference not in names.REFERENCES:
+        raise LiniclError(f"reference must be one of {names.REFERENCES}, got {reference!r}")
+
+
+def pieces(cfg: ModelConfig, block_params, Z, reference: str = "query", *, position=0,
+           positions=None) -> Pieces:
+    """g, q (block on ``Z: f[..., T, d]``) and f, p (the reference alone at ``position``)."""
+    check_reference(reference)
+    Z = jnp.asarray(Z)
+    ctx = block_sites(cfg, block_params, Z, positions)
+    x = Z[..., -1:, :] if reference == "query" else Z
+    ref = alone(cfg, block_params, x, position)
+    return Pieces(ctx["hook_mlp_in"], ctx["hook_resid_mid"], ref["hook_mlp_in"], ref["hook_resid_mid"],
+                  ctx["hook_resid_post"], x)

@@ -1,0 +1,139 @@
+"""Every name linicl uses, in one place: option enumerations, variable collections, layer scopes and
+activation-site names. This module imports nothing from linicl, so every layer can read it.
+
+**Enumerations** (the allowed values of ``ModelConfig`` fields and of method arguments).
+
+**Variable collections** (the keys of a variables dict besides ``params``):
+
+==================  ================================================================================
+collection          what it holds
+==================  ================================================================================
+``prompt_state``    the exact state a prompt left in each linear-attention layer, per layer
+                    ``layers_l/attn/S: [batch or 1, heads, d_phi, d_head]`` and ``z: [.., heads,
+                    d_phi]`` (``iclca.convert``; re-based for rope). Read as every later call's
+                    initial state.
+``prompt_approx``   a softmax layer's kernel-approximated prompt, per layer ``layers_l/attn/approx``
+                    (a ``linicl.iclca.PromptApprox``; ``iclca.convert_approx``).
+``position``        ``offset: int32[]``, the position of the first token a call reads (a prompt
+                    converted in a model with learned positions, or approximately converted).
+``decode``          the running state of a decode (``linicl.generate``): softmax layers' key/value
+                    cache (``cached_k``, ``cached_v``, ``k_pos``, ``index``), linear layers' running
+                    ``S``, ``z`` (which, when present, replaces ``prompt_state``: it started from it),
+                    and ``n_tokens``, the tokens read so far.
+``interventions``   edits at named sites (``linicl.interventions``).
+``intermediates``   activations captured at named sites (when the collection is mutable).
+==================  ================================================================================
+
+**Layers and sites.** Block ``l`` is the variable scope ``layers_l`` (params, states, edits) and the
+site-name prefix ``blocks.l`` (TransformerLens style): ``layer_scope``, ``site_path`` and
+``site_name`` convert between the two, and nothing else spells either.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Sequence, Tuple
+
+# ------------------------------------------------------------------------------ enumerations
+ATTENTION_KINDS = ("linear", "softmax")
+FEATURE_MAPS = ("elu+1", "relu", "identity", "taylor2")
+POSITIONS = ("none", "learned", "rope")
+NORMS = ("pre", "post", "none")
+NORM_TYPES = ("layernorm", "rmsnorm")
+SKIPS = ("residual", "dherin", "none")
+MLPS = ("plain", "gated")
+ROPE_STYLES = ("interleaved", "half")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "tanh")
+FORMS = ("auto", "parallel", "chunked", "recurrent")
+DTYPES = ("float32", "float64", "bfloat16")
+# Feature maps whose inner products phi(q).phi(k) are never negative (a normalised linear attention
+# then has a positive denominator, up to the model's own epsilon).
+NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2")
+APPROX_KERNELS = ("taylor2", "prf", "elu+1")  # iclca.convert_approx
+APPROX_FORMS = ("shared", "mix")
+EDIT_OPS = ("add", "scale", "replace", "fn")  # linicl.nn.hooks.Edit
+REFERENCES = ("query", "own")  # linicl.implicit: which token is run alone
+
+# ------------------------------------------------------------------------------ collections
+PARAMS = "params"
+PROMPT_STATE = "prompt_state"
+PROMPT_APPROX = "prompt_approx"
+POSITION = "position"
+DECODE = "decode"
+INTERVENTIONS = "interventions"
+INTERMEDIATES = "intermediates"
+# The collections a stored prompt lives in (``iclca.strip`` removes them).
+PROMPT_COLLECTIONS = (PROMPT_STATE, PROMPT_APPROX, POSITION)
+
+# ------------------------------------------------------------------------------ sites
+ATTN_SITES = ("hook_q", "hook_k", "hook_v", "hook_z")
+SCORE_SITES = ("hook_attn_scores", "hook_pattern")  # softmax attention only
+BLOCK_SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_in", "hook_mlp_out",
+               "hook_resid_post")
+MLP_SITES = ("hook_pre", "hook_post")
+# Short names (``cache["pattern", 3]``) -> the module inside the block ("" for the block itself).
+SHORT_NAMES = {**{s[5:]: "attn" for s in ATTN_SITES + SCORE_SITES},
+               **{s[5:]: "" for s in BLOCK_SITES}, **{f"mlp_{s[5:]}": "mlp" for s in MLP_SITES}}
+
+_LAYER_SCOPE = "layers_"
+_SITE_PREFIX = "blocks"
+_BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(?:(attn|mlp)\.)?(hook_\w+)$")
+
+
+def layer_scope(layer: int) -> str:
+    """The variable scope of block ``layer``: ``"layers_3"``."""
+    return f"{_LAYER_SCOPE}{int(layer)}"
+
+
+def scope_layer(scope: str) -> Optional[int]:
+    """The inverse of ``layer_scope`` (None for a scope that is not a block)."""
+    if scope.startswith(_LAYER_SCOPE) and scope[len(_LAYER_SCOPE):].isdigit():
+        return int(scope[len(_LAYER_SCOPE):])
+    return None
+
+
+def block_site(layer: int, hook: str) -> str:
+    """The full site name of a per-block hook: ``block_site(3, "hook_q") == "blocks.3.attn.hook_q"``."""
+    if hook in ATTN_SITES or hook in SCORE_SITES:
+        module = "attn."
+    elif hook in MLP_SITES:
+        module = "mlp."
+    elif hook in BLOCK_SITES:
+        module = ""
+    else:
+        raise ValueError(f"{hook!r} is not a per-block site; one of "
+                         f"{ATTN_SITES + SCORE_SITES + BLOCK_SITES + MLP_SITES}")
+    return f"{_SITE_PREFIX}.{int(layer)}.{module}{hook}"
+
+
+def site_layer(name: str) -> Optional[int]:
+    """The block of a full site name (None for the sites outside the blocks)."""
+    m = _BLOCK_NAME.match(name)
+    return None if m is None else int(m.group(1))
+
+
+def site_path(name: str) -> Tuple[str, ...]:
+    """``"blocks.3.attn.hook_q"`` -> ``("layers_3", "attn", "hook_q")``, the variable path."""
+    m = _BLOCK_NAME.match(name)
+    if m is None:
+        return (name,)
+    layer, module, hook = m.groups()
+    return (layer_scope(int(layer)),) + ((module,) if module else ()) + (hook,)
+
+
+def site_name(path: Sequence[str]) -> str:
+    """The inverse of ``site_path``."""
+    layer = scope_layer(path[0]) if path else None
+    if layer is not None:
+        return ".".join([_SITE_PREFIX, str(layer), *path[1:]])
+    return ".".join(path)
+
+
+def short_site(short: str, layer: int) -> str:
+    """``short_site("pattern", 3) == "blocks.3.attn.hook_pattern"`` (the short names of
+    ``SHORT_NAMES``); raises ValueError for an unknown short name."""
+    if short not in SHORT_NAMES:
+        raise ValueError(f"unknown short site name {short!r}; use one of {sorted(SHORT_NAMES)} or a "
+                         f"full name")
+    module = SHORT_NAMES[short]
+    return block_site(layer, "hook_" + (short[4:] if module == "mlp" else short))

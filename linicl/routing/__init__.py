@@ -1,0 +1,42 @@
+"""In-Context Routing (ICR, arXiv 2509.22854): principal ICL directions and a trained router.
+
+Few-shot prompts change where attention goes. ICR reproduces that zero-shot with a low-rank,
+input-conditioned bias on the attention logits of the last third of the layers (routing.md):
+
+    Z_q = Q U_q,  Z_k = K U_k                      (Q, K: the layer's q/k projections, concatenated
+    B   = Z_q diag(alpha(x)) Z_k^T                  over heads, before rope; U: the PIDs)
+    scores[h] = q_h.k_h / sqrt(d) + gamma_h(x) B    -> causal mask -> softmax
+
+Modules, one concept each:
+
+* ``pids``: ``extract_pids``, PCA (rank r = 8, centred by default) of the last-token q and k of
+  class-balanced few-shot prompts, per routed layer; ``PIDs.save`` / ``PIDs.load``.
+* ``router``: ``Router``, a Flax module mapping a frozen representation of the zero-shot query to
+  alpha = tanh(.) per layer and direction and gamma = sigmoid(.) per layer and head. The default
+  representation is the LM's own hidden state entering the first routed layer, mean-pooled over the
+  query's tokens but the first (the attention sink; ``router_input``); the forward pass computes it
+  anyway, so no sentence encoder is needed. The last layer of the alpha branch starts at zero, so an
+  untrained router is exactly the base model. ``routing_edits``: the bias as ``linicl.interventions``
+  edits (an ``fn`` edit at each routed layer's ``hook_attn_scores``: added before the causal mask, so
+  it never lets a query see a later key). ``icr_forward``: the ``forward`` hook of
+  ``linicl.evaluate`` that applies a trained router. ``save_router``/``load_router``.
+* ``training``: ``prepare``/``train_router``, the paper's objective (cross-entropy + confidence +
+  depth-weighted sparsity + gate terms, alpha scaled by a cosine 1.0 -> 0.8, AdamW, gradient
+  clipping). The residual stream entering the first routed layer does not depend on the router, so it
+  is computed once per query and training runs only the routed blocks
+  (``Transformer(first_layer=...)``). ``checkpoint=`` saves the training state as it goes
+  (``linicl.checkpoint``) and resumes from it.
+* ``baselines``: ``task_vector``/``task_vector_edits``, the task-vector baseline (few-shot minus
+  zero-shot mean last-token residual at one layer, added at the query's last token).
+"""
+
+from linicl.routing.baselines import task_vector, task_vector_edits
+from linicl.routing.pids import PIDs, extract_pids, pca, routed_layers
+from linicl.routing.router import (Router, icr_forward, load_router, make_router, routed_logits,
+                                   router_input, routing_edits, save_router)
+from linicl.routing.training import LossWeights, TrainingData, alpha_schedule, icr_loss, prepare, train_router
+
+__all__ = ["routed_layers", "pca", "PIDs", "extract_pids", "Router", "make_router", "routing_edits",
+           "router_input", "routed_logits", "icr_forward", "save_router", "load_router", "TrainingData",
+           "prepare", "LossWeights", "icr_loss", "alpha_schedule", "train_router", "task_vector",
+           "task_vector_edits"]
