@@ -34,7 +34,7 @@ repeats its first ``--synthetic-input`` tokens. Per method, against the prompted
 positions: relative error of the logits, KL, argmax agreement, and the copy accuracy (next token =
 the prompt's next token) with its NLL.
 
-Compilation: every forward pass is padded to a length bucket (``linicl.evaluate.bucket_length``) and
+Compilation: every forward pass is padded to a length bucket (``linicl.batching.bucket_length``) and
 a fixed batch (``--batch-size``), so a method compiles once per bucket; the query-only passes of the
 converted models share one width per (task, k).
 
@@ -48,12 +48,8 @@ Writes ``OUT/approx_conversion.json`` (every number, the settings, wall times) a
 
 from __future__ import annotations
 
-import argparse
-import functools
-import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -63,14 +59,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from icl_baselines import checkpoint_adds_bos, load_model  # noqa: E402  (same model loading and BOS policy)
-
-from linicl import data, iclca  # noqa: E402
-from linicl.errors import LiniclError  # noqa: E402
-from linicl.evaluate import bucket_length  # noqa: E402
-from linicl.interventions import capture  # noqa: E402
-from linicl.parallel import pad_rows  # noqa: E402
+import linicl.lm
+from linicl import batching, compiled, data, iclca, reporting
+from linicl.errors import LiniclError
+from linicl.interventions import capture
+from linicl.memory import prompt_floats
+from linicl.names import PROMPT_APPROX, block_site
 
 DEFAULT_TASKS = ("present-past", "capitalize", "singular-plural", "sst2", "trec", "agnews")
 QUICK_TASKS = ("antonym", "sst2")
@@ -108,35 +102,21 @@ def convert(model, variables, prompt: np.ndarray, spec: dict, args, fit_inputs=N
                                 seed=args.seed, ridge=args.ridge, **kw)
 
 
-def state_floats(converted) -> int:
-    """Floats a converted prompt stores (B, b and the exact sink keys/values; the seeded random
-    projections are not counted: they are re-drawn from the seed)."""
-    total = 0
-    for name, layer in converted[iclca.ICLCA].items():
-        if name.startswith("layers_"):
-            a = layer["attn"]["approx"]
-            total += sum(int(x.size) for x in (a.B, a.b, a.sink_k, a.sink_v) if x is not None)
-    return total
-
-
 # ------------------------------------------------------------------------------------------ forward
-@functools.lru_cache(maxsize=None)
 def _forward_fn(model, width: int):
     """jit(variables, tokens[B, T], lengths[B], start) -> (log-softmax at each row's last real token
     f32[B, vocab], attention outputs z f32[L, B, width, heads * d_head] at positions start..start+width)."""
     cfg = model.cfg
-    names = [f"blocks.{layer}.attn.hook_z" for layer in range(cfg.n_layers)]
+    names = [block_site(layer, "hook_z") for layer in range(cfg.n_layers)]
 
     def run(variables, tokens, lengths, start):
         h, acts = capture(model, variables, tokens, names=names, hidden=True)
-        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-        params = variables["params"]
-        logits = last @ (params["embed"].T if cfg.tie_embeddings else params["unembed"]["kernel"])
+        logits = batching.unembed(cfg, variables["params"], batching.last_positions(h, lengths))
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         z = jnp.stack([acts[n] for n in names])  # [L, B, T, H, d]
         z = jax.lax.dynamic_slice_in_dim(z, start, width, axis=2)
         return lp, z.reshape(z.shape[:3] + (-1,)).astype(jnp.float32)
-    return jax.jit(run)
+    return compiled.get(("experiments.approx_conversion.forward", model, width), lambda: jax.jit(run))
 
 
 def run_rows(model, variables, rows: list, start: int, width: int, args) -> tuple[np.ndarray, np.ndarray]:
@@ -145,18 +125,16 @@ def run_rows(model, variables, rows: list, start: int, width: int, args) -> tupl
     cut into batches of ``args.batch_size`` (the last one padded with copies of a row, whose outputs
     are dropped)."""
     lengths = np.asarray([len(r) for r in rows], np.int32)
-    T = bucket_length(max(int(lengths.max()), start + width), args.bucket, model.cfg.max_len
-                      if model.cfg.positions == "learned" else None)
+    T = batching.bucket_length(max(int(lengths.max()), start + width), args.bucket, model.cfg.max_len
+                               if model.cfg.positions == "learned" else None)
     if T < start + width:
         raise LiniclError(f"rows of {T} positions cannot hold start {start} + width {width}")
-    tokens = np.zeros((len(rows), T), np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, :len(r)] = r
+    tokens = batching.pad_tokens(rows, T)
     fn = _forward_fn(model, width)
     lps, zs = [], []
     B = min(args.batch_size, len(rows))
     for i in range(0, len(rows), B):
-        t, le = pad_rows(tokens[i:i + B], B), pad_rows(lengths[i:i + B], B)
+        t, le = batching.pad_rows(tokens[i:i + B], B), batching.pad_rows(lengths[i:i + B], B)
         lp, z = fn(variables, jnp.asarray(t), jnp.asarray(le), jnp.asarray(start, jnp.int32))
         m = min(B, len(rows) - i)
         lps.append(np.asarray(lp)[:m])
@@ -259,7 +237,7 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
     n_bos = zero_prompts[0].query_start
     queries = [p.tokens[p.query_start:] for p in zero_prompts]
     qlens = np.asarray([len(q) for q in queries], np.int32)
-    W = bucket_length(int(qlens.max()), "geometric")
+    W = batching.bucket_length(int(qlens.max()), "geometric")
     if label_ids is None:
         gold_ids = np.asarray([tok.encode(template.label_prefix + p.label)[0] for p in zero_prompts], np.int32)
         cand = np.unique(gold_ids)
@@ -311,7 +289,7 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
             try:
                 t0 = time.perf_counter()
                 conv = convert(model, variables, ctx, spec, args, fit)
-                jax.block_until_ready(conv[iclca.ICLCA])
+                jax.block_until_ready(conv[PROMPT_APPROX])
                 t1 = time.perf_counter()
                 lp, z = run_rows(model, conv, queries, 0, W, args)
                 t2 = time.perf_counter()
@@ -319,7 +297,8 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
                 skipped.append(dict(task=task.name, k=k, method=name, reason=str(e)))
                 continue
             m = method_metrics(lp, z, ref, gold_ids, label_ids, kl_ids, qlens)
-            m.update(convert_s=t1 - t0, eval_s=t2 - t1, state_floats=state_floats(conv))
+            # the seeded random projections are not counted: they are re-drawn from the seed
+            m.update(convert_s=t1 - t0, eval_s=t2 - t1, state_floats=prompt_floats(conv, projections=False))
             cell["methods"][name] = m
             del conv, z
         del ref, z_p
@@ -416,7 +395,7 @@ def synthetic(model, variables, specs: dict, args, progress: bool) -> dict:
     bar = tqdm(total=npairs, desc="synthetic", disable=not progress, leave=False)
     for i in range(0, npairs, sb):
         nb = min(sb, npairs - i)
-        R = pad_rows(np.stack(pairs[i:i + nb]), sb)  # [sb, P]; padding rows (copies) are dropped
+        R = batching.pad_rows(np.stack(pairs[i:i + nb]), sb)  # [sb, P]; padding rows (copies) are dropped
         inp = R[:, :m]
         ref = np.asarray(fwd(variables, jnp.asarray(np.concatenate([R, inp], 1))))[:nb, P:].astype(np.float64)
         outs = {"prompt": ref, "zero": np.asarray(fwd(variables, jnp.asarray(inp)))[:nb].astype(np.float64)}
@@ -473,51 +452,44 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+def _cells(report: dict):
+    """Every (task, k, task entry, cell) of the report, in order."""
+    return [(t, k, e, cell) for t, e in report["tasks"].items() for k, cell in e["k"].items()]
+
+
 def tables(report: dict) -> str:
-    methods = list(BASE) + report["variants"]
-    lines = ["Accuracy (label-restricted for classification, first-token for word tasks):", "",
-             "| task | k | n | " + " | ".join(methods) + " |", "|---|---|---|" + "---|" * len(methods)]
-    for t, e in report["tasks"].items():
-        for k, cell in e["k"].items():
-            ms = cell["methods"]
-            lines.append(f"| {t} | {k} | {e['n']} | " + " | ".join(
-                _fmt(ms[m]["accuracy"]) if m in ms else "-" for m in methods) + " |")
-    rest = ["zero"] + report["variants"]
-    lines += ["", "Mean KL(prompted || method), full vocabulary / label words, at the query's last token:", "",
-              "| task | k | " + " | ".join(rest) + " |", "|---|---|" + "---|" * len(rest)]
-    for t, e in report["tasks"].items():
-        for k, cell in e["k"].items():
-            ms = cell["methods"]
-            lines.append(f"| {t} | {k} | " + " | ".join(
-                f"{_fmt(ms[m]['kl_full_mean'], '.3g')} / {_fmt(ms[m]['kl_label_mean'], '.3g')}" if m in ms else "-"
-                for m in rest) + " |")
-    lines += ["", "hook_z relative error vs the prompted model (mean over queries, tasks and k), by layer:", "",
-              "| method | first layer | middle | last layer | mean over layers |", "|---|---|---|---|---|"]
-    for m, curve in report["layer_error_summary"].items():
-        L = len(curve)
-        lines.append(f"| {m} | {_fmt(curve[0], '.3f')} | {_fmt(curve[L // 2], '.3f')} | {_fmt(curve[-1], '.3f')} | "
-                     f"{_fmt(float(np.mean(curve)), '.3f')} |")
+    methods, rest, variants = list(BASE) + report["variants"], ["zero"] + report["variants"], report["variants"]
+    table = reporting.markdown_table
+    acc = table(["task", "k", "n"] + methods, [
+        [t, k, e["n"]] + [_fmt(c["methods"][m]["accuracy"]) if m in c["methods"] else "-" for m in methods]
+        for t, k, e, c in _cells(report)])
+    kl = table(["task", "k"] + rest, [
+        [t, k] + [f"{_fmt(c['methods'][m]['kl_full_mean'], '.3g')} / {_fmt(c['methods'][m]['kl_label_mean'], '.3g')}"
+                  if m in c["methods"] else "-" for m in rest]
+        for t, k, e, c in _cells(report)])
+    err = table(["method", "first layer", "middle", "last layer", "mean over layers"], [
+        [m] + [_fmt(x, ".3f") for x in (curve[0], curve[len(curve) // 2], curve[-1], float(np.mean(curve)))]
+        for m, curve in report["layer_error_summary"].items()])
     rec = report["recovery"]
-    lines += ["", "Fraction of the few-shot gain recovered (accuracies pooled over k; '-' = no gain):", "",
-              "| task | zero | prompt | " + " | ".join(report["variants"]) + " |",
-              "|---|---|---|" + "---|" * len(report["variants"])]
-    for t, p in rec["per_task_pooled"].items():
-        lines.append(f"| {t} | {_fmt(p['zero'])} | {_fmt(p['prompt'])} | " + " | ".join(
-            _fmt(p["fraction"][v]) for v in report["variants"]) + " |")
-    lines.append(f"\nTarget (best variant recovers >= half the gain on >= half the tasks): "
-                 f"{'MET' if rec['target_met'] else 'NOT MET'} (best variant {rec['best_variant']}: "
-                 f"{len(rec['passing'].get(rec['best_variant'], []))} of {rec['tasks']} tasks, "
-                 f"{rec['tasks_with_gain']} with a gain, {rec['needed']} needed)")
+    gain = table(["task", "zero", "prompt"] + variants, [
+        [t, _fmt(p["zero"]), _fmt(p["prompt"])] + [_fmt(p["fraction"][v]) for v in variants]
+        for t, p in rec["per_task_pooled"].items()])
+    lines = ["Accuracy (label-restricted for classification, first-token for word tasks):", "", acc,
+             "", "Mean KL(prompted || method), full vocabulary / label words, at the query's last token:", "", kl,
+             "", "hook_z relative error vs the prompted model (mean over queries, tasks and k), by layer:", "", err,
+             "", "Fraction of the few-shot gain recovered (accuracies pooled over k; '-' = no gain):", "", gain,
+             f"\nTarget (best variant recovers >= half the gain on >= half the tasks): "
+             f"{'MET' if rec['target_met'] else 'NOT MET'} (best variant {rec['best_variant']}: "
+             f"{len(rec['passing'].get(rec['best_variant'], []))} of {rec['tasks']} tasks, "
+             f"{rec['tasks_with_gain']} with a gain, {rec['needed']} needed)"]
     syn = report.get("synthetic")
     if syn and syn["methods"]:
         s = syn["settings"]
         lines += ["", f"Synthetic copy test: {s['pairs']} random prompts of {s['prompt_len']} tokens, input = "
                       f"their first {s['input_len']}:", "",
-                  "| method | logit rel. err (median) | KL (mean) | argmax agrees | copy acc | copy NLL |",
-                  "|---|---|---|---|---|---|"]
-        for m, r in syn["methods"].items():
-            lines.append(f"| {m} | {_fmt(r['logit_rel_err_median'], '.3f')} | {_fmt(r['kl_mean'], '.3g')} | "
-                         f"{_fmt(r['argmax_agree'])} | {_fmt(r['copy_acc'])} | {_fmt(r['copy_nll'], '.2f')} |")
+                  table(["method", "logit rel. err (median)", "KL (mean)", "argmax agrees", "copy acc", "copy NLL"], [
+                      [m, _fmt(r["logit_rel_err_median"], ".3f"), _fmt(r["kl_mean"], ".3g"), _fmt(r["argmax_agree"]),
+                       _fmt(r["copy_acc"]), _fmt(r["copy_nll"], ".2f")] for m, r in syn["methods"].items()])]
     return "\n".join(lines)
 
 
@@ -531,46 +503,47 @@ def layer_error_summary(report: dict) -> dict:
     return {m: np.mean(np.asarray(c), 0).tolist() for m, c in curves.items()}
 
 
-def plots(report: dict, out: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _colors(report: dict) -> dict:
+    return {m: f"C{i}" for i, m in enumerate(list(BASE) + report["variants"])}
 
+
+def per_task_figure(plt, report: dict, what: str, ylabel: str):
+    """``what`` (a method metric) against k, one panel per task, one line per method."""
     names = [t for t, e in report["tasks"].items() if e["k"]]
-    methods = list(BASE) + report["variants"]
-    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    colors = _colors(report)
     ncols = min(3, max(1, len(names)))
     nrows = max(1, -(-len(names) // ncols))
-    for what, ylabel, fname in (("accuracy", "accuracy", "accuracy.png"),
-                                ("kl_full_mean", "KL(prompted || method), full vocab", "kl.png")):
-        fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.9 * nrows), squeeze=False)
-        for ax, t in zip(axes.flat, names):
-            cells = report["tasks"][t]["k"]
-            ks = list(cells)
-            for m in methods:
-                ys = [cells[k]["methods"].get(m, {}).get(what, np.nan) for k in ks]
-                if what == "kl_full_mean" and m == "prompt":
-                    continue
-                ax.plot(range(len(ks)), [np.nan if y is None else y for y in ys], "o-" if m not in BASE else "s--",
-                        color=colors[m], label=m, lw=2.2 if m in BASE else 1.2, ms=4)
-            ax.set_xticks(range(len(ks)), ks)
-            ax.set_title(f"{t} ({report['tasks'][t]['metric']})", fontsize=9)
-            ax.set_xlabel("k (demonstrations)", fontsize=8)
-            if what == "accuracy":
-                ax.set_ylim(-0.03, 1.03)
-            else:
-                ax.set_yscale("log")
-            ax.set_ylabel(ylabel, fontsize=8)
-        for ax in list(axes.flat)[len(names):]:
-            ax.axis("off")
-        handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), fontsize=7)
-        fig.suptitle(f"{Path(report['model']['source']).name}: {ylabel} per task and k, n={report['settings']['n_eval']}",
-                     fontsize=10)
-        fig.tight_layout(rect=(0, 0.06, 1, 1))
-        fig.savefig(os.path.join(out, fname), dpi=110)
-        plt.close(fig)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.9 * nrows), squeeze=False)
+    for ax, t in zip(axes.flat, names):
+        cells = report["tasks"][t]["k"]
+        ks = list(cells)
+        for m in colors:
+            ys = [cells[k]["methods"].get(m, {}).get(what, np.nan) for k in ks]
+            if what == "kl_full_mean" and m == "prompt":
+                continue
+            ax.plot(range(len(ks)), [np.nan if y is None else y for y in ys], "o-" if m not in BASE else "s--",
+                    color=colors[m], label=m, lw=2.2 if m in BASE else 1.2, ms=4)
+        ax.set_xticks(range(len(ks)), ks)
+        ax.set_title(f"{t} ({report['tasks'][t]['metric']})", fontsize=9)
+        ax.set_xlabel("k (demonstrations)", fontsize=8)
+        if what == "accuracy":
+            ax.set_ylim(-0.03, 1.03)
+        else:
+            ax.set_yscale("log")
+        ax.set_ylabel(ylabel, fontsize=8)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), fontsize=7)
+    fig.suptitle(f"{Path(report['model']['source']).name}: {ylabel} per task and k, n={report['settings']['n_eval']}",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
 
+
+def layer_error_figure(plt, report: dict):
+    """The hook_z relative error by layer: over every task and k, then at each k."""
+    colors = _colors(report)
     ks = report["settings"]["k"]
     fig, axes = plt.subplots(1, len(ks) + 1, figsize=(3.8 * (len(ks) + 1), 3.2), squeeze=False)
     for ax, k in zip(axes[0], [None] + list(ks)):
@@ -590,9 +563,12 @@ def plots(report: dict, out: str) -> None:
         ax.set_ylabel("rel. error of hook_z vs prompted", fontsize=8)
     axes[0, 0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "layer_error.png"), dpi=110)
-    plt.close(fig)
+    return fig
 
+
+def synthetic_figure(plt, report: dict):
+    """The synthetic copy test: logit error, argmax agreement and copy accuracy per method."""
+    colors = _colors(report)
     syn = report.get("synthetic") or {}
     ms = syn.get("methods") or {}
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
@@ -607,20 +583,29 @@ def plots(report: dict, out: str) -> None:
         fig.suptitle(f"synthetic copy test: {syn['settings']['pairs']} random prompts of "
                      f"{syn['settings']['prompt_len']} tokens", fontsize=10)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "synthetic.png"), dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plots(report: dict, out: str) -> list:
+    """Write accuracy.png, kl.png, layer_error.png and synthetic.png; the paths written."""
+    paths = [reporting.plot(os.path.join(out, "accuracy.png"), per_task_figure, report, "accuracy", "accuracy"),
+             reporting.plot(os.path.join(out, "kl.png"), per_task_figure, report, "kl_full_mean",
+                            "KL(prompted || method), full vocab"),
+             reporting.plot(os.path.join(out, "layer_error.png"), layer_error_figure, report),
+             reporting.plot(os.path.join(out, "synthetic.png"), synthetic_figure, report)]
+    return [p for p in paths if p is not None]
 
 
 # ------------------------------------------------------------------------------------------ main
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = reporting.argument_parser(__doc__)
+    reporting.add_common_args(
+        p, out="results/approx_conversion", seed="queries, demos, random features, synthetic prompts", data_dir=True,
+        quick=f"CI: tasks {' '.join(QUICK_TASKS)}, 4 queries, k 1, 4 synthetic pairs of 16 + 4 tokens")
     p.add_argument("--model", default=None, help="checkpoint (HF GPT-2/Llama directory or .gguf); default SmolLM2")
-    p.add_argument("--data-dir", default=None, help="data directory (default $LINICL_DATA_DIR)")
-    p.add_argument("--out", default="results/approx_conversion", help="results folder")
     p.add_argument("--tasks", nargs="+", default=None, help=f"task names (default {' '.join(DEFAULT_TASKS)})")
     p.add_argument("--k", nargs="+", type=int, default=None, help="demonstrations (default 1 4 8)")
     p.add_argument("--n-eval", type=int, default=None, help="test queries per task (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="queries, demos, random features, synthetic prompts")
     p.add_argument("--kernels", nargs="*", default=["taylor2", "prf", "elu+1"], help="plain kernel variants")
     p.add_argument("--lsq-kernels", nargs="*", default=["prf"],
                    help="least-squares variants (taylor2's 4161 features per head make its fit slow)")
@@ -641,9 +626,6 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=2048, help="decode-cache size of rope models")
     p.add_argument("--bos", choices=["auto", "on", "off"], default="auto", help="prepend BOS (auto: as the "
                    "checkpoint's tokenizer says)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"CI: tasks {' '.join(QUICK_TASKS)}, 4 queries, k 1, 4 synthetic pairs of 16 + 4 tokens")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
     if args.bucket != "geometric":
         args.bucket = int(args.bucket)
@@ -662,9 +644,9 @@ def parse_args(argv=None):
 
 def run(args) -> dict:
     t_start = time.perf_counter()
-    source, model, variables, tok = load_model(args.model, args.max_len)
+    source, model, variables, tok = linicl.lm.load(args.model, max_len=args.max_len, require_tokenizer=True)
     load_s = time.perf_counter() - t_start
-    add_bos = {"on": True, "off": False, "auto": checkpoint_adds_bos(source)}[args.bos]
+    add_bos = {"on": True, "off": False, "auto": linicl.lm.adds_bos(source)}[args.bos]
     if model.cfg.attention != "softmax":
         raise LiniclError("this experiment is about softmax models (a linear model's conversion is exact)")
     specs = variant_specs(args)
@@ -683,10 +665,10 @@ def run(args) -> dict:
         tasks[name] = entry
         skipped += skip
     bar.close()
-    os.makedirs(args.out, exist_ok=True)  # the tasks' numbers survive an interrupted synthetic test
-    with open(os.path.join(args.out, "approx_conversion.json"), "w") as f:
-        json.dump(dict(experiment="approx_conversion", complete=False, settings=vars(args), tasks=tasks,
-                       skipped=skipped), f, indent=1, default=float)
+    # the tasks' numbers survive an interrupted synthetic test
+    reporting.write_json(os.path.join(args.out, "approx_conversion.json"),
+                         dict(experiment="approx_conversion", complete=False, settings=vars(args), tasks=tasks,
+                              skipped=skipped))
     t0 = time.perf_counter()
     syn = synthetic(model, variables, specs, args, args.progress) if args.synthetic_pairs > 0 else None
     syn_s = time.perf_counter() - t0
@@ -699,8 +681,7 @@ def run(args) -> dict:
                    dtype=cfg.dtype, describe=cfg.describe()),
         settings=dict({k: v for k, v in vars(args).items()}, add_bos=add_bos,
                       data_dir=str(data.resolve_data_dir(args.data_dir))),
-        machine=dict(platform=platform.platform(), jax=jax.__version__, devices=str(jax.devices()),
-                     cpu_count=os.cpu_count()),
+        machine=reporting.machine_info(),
         tasks=tasks, skipped=skipped, synthetic=syn)
     report["recovery"] = recovery(tasks, list(specs))
     report["layer_error_summary"] = layer_error_summary(report)
@@ -717,17 +698,14 @@ def main(argv=None) -> int:
     except LiniclError as e:
         print(f"approx_conversion: {e}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    text = tables(report)
-    report["table"] = text
-    with open(os.path.join(args.out, "approx_conversion.json"), "w") as f:
-        json.dump(report, f, indent=1, default=float)
-    plots(report, args.out)
+    report["table"] = text = tables(report)
+    reporting.write_json(os.path.join(args.out, "approx_conversion.json"), report)
     print(text)
+    written = plots(report, args.out)
     t = report["timing"]
     print(f"\n{sum(len(e['k']) for e in report['tasks'].values())} (task, k) cells, {len(report['skipped'])} "
           f"skipped; total {t['total_s']:.0f} s (load {t['load_s']:.0f} s, synthetic {t['synthetic_s']:.0f} s); "
-          f"wrote {args.out}/approx_conversion.json and the plots")
+          f"wrote {args.out}/approx_conversion.json" + (" and the plots" if written else ""))
     return 0
 
 

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
-import platform
 import sys
 import time
 from typing import Callable, NamedTuple
@@ -46,12 +44,12 @@ import optax
 from flax import traverse_util
 from tqdm.auto import tqdm
 
+from linicl import diagnostics, reporting
 from linicl.config import ModelConfig
 from linicl.data.synthetic import induction_batch, recall_batch
 from linicl.errors import LiniclError
 from linicl.iclca import nonnegative_z_bias
 from linicl.interventions import capture
-from linicl.kernels import feature_maps
 from linicl.nn import Transformer
 
 # arm -> how its z_bias (the paper's b) is treated: None (no bias terms), "free" (the zoo's
@@ -152,47 +150,18 @@ def token_metrics(logits, batch, loss_on: str):
                       acc=correct.mean())
 
 
-def denominator_values(cfg: ModelConfig, params, acts, layer: int):
-    """``(den, bias_term)``, each ``f[batch, heads, seq]``: phi(q_t).z_t of one layer, computed here from
-    the captured q and k (unrotated features, as in the model's normaliser) and ``z_bias``:
-
-        z_t = gamma^(t+1) z_bias + sum_{i<=t} gamma^(t-i) phi(k_i),   bias_term = phi(q_t).gamma^(t+1) z_bias
-
-    The model divides by ``den + cfg.attn_eps``; ``bias_term`` is zero without trainable bias."""
-    phi = feature_maps.get(cfg.feature_map)
-    q = phi(jnp.swapaxes(acts[f"blocks.{layer}.attn.hook_q"], 1, 2))  # [B, H, T, F]
-    k = phi(jnp.swapaxes(acts[f"blocks.{layer}.attn.hook_k"], 1, 2))
-    k = jnp.repeat(k, cfg.n_heads // cfg.kv_heads, axis=1)
-    H, T = q.shape[1], q.shape[2]
-    t = jnp.arange(T)
-    diff = t[:, None] - t[None, :]
-    gammas = cfg.decay_per_head()
-    if gammas is None:
-        D = jnp.broadcast_to((diff >= 0).astype(q.dtype), (H, T, T))
-        age = jnp.ones((H, T), q.dtype)
-    else:
-        g = jnp.asarray(gammas, q.dtype)[:, None, None]
-        D = jnp.where(diff >= 0, g ** jnp.maximum(diff, 0), 0.0)
-        age = g[:, :, 0] ** (t + 1)[None]
-    den = jnp.einsum("bhts,hts->bht", jnp.einsum("bhtf,bhsf->bhts", q, k), D)
-    bias_term = jnp.zeros_like(den)
-    if cfg.trainable_bias:
-        bias_term = jnp.einsum("bhtf,hf->bht", q, params[f"layers_{layer}"]["attn"]["z_bias"]) * age[None]
-    return den + bias_term, bias_term
-
-
 def denominators(cfg: ModelConfig, params, acts) -> dict:
-    """Summary of ``denominator_values`` over all layers: the minimum denominator, the minimum at the
-    first position (where z holds a single key, plus the bias), the minimum of the bias part, and the
-    most negative entry of any ``z_bias`` (0 without bias). ``z_bias >= 0`` everywhere guarantees a
-    positive denominator for every input, since phi = elu+1 > 0."""
+    """Summary of the normalisers phi(q_t).z_t (``linicl.diagnostics``, bias included, the model's
+    ``attn_eps`` excluded) over all layers: the minimum denominator, the minimum at the first position
+    (where z holds a single key, plus the bias), the minimum of the bias part, and the most negative
+    entry of any ``z_bias`` (0 without bias). ``z_bias >= 0`` everywhere guarantees a positive
+    denominator for every input, since phi = elu+1 > 0."""
     acts = jax.lax.stop_gradient(acts)
     out = dict(den_min=jnp.inf, den_first_min=jnp.inf, bias_term_min=jnp.zeros(()), z_bias_min=jnp.zeros(()))
-    for layer in range(cfg.n_layers):
-        den, bias_term = denominator_values(cfg, params, acts, layer)
-        out["den_min"] = jnp.minimum(out["den_min"], den.min())
-        out["den_first_min"] = jnp.minimum(out["den_first_min"], den[:, :, 0].min())
-        out["bias_term_min"] = jnp.minimum(out["bias_term_min"], bias_term.min())
+    for layer, n in enumerate(diagnostics.normalisers_from(cfg, {"params": params}, acts)):
+        out["den_min"] = jnp.minimum(out["den_min"], n.value.min())
+        out["den_first_min"] = jnp.minimum(out["den_first_min"], n.value[:, :, 0].min())
+        out["bias_term_min"] = jnp.minimum(out["bias_term_min"], n.bias.min())
         if cfg.trainable_bias:
             out["z_bias_min"] = jnp.minimum(out["z_bias_min"], params[f"layers_{layer}"]["attn"]["z_bias"].min())
     return jax.lax.stop_gradient(out)
@@ -219,10 +188,10 @@ def make_fns(opts: dict, trainable_bias: bool) -> ArmFns:
     opt = make_optimizer(opts)
     sample = make_sampler(opts)
     loss_on = opts["loss_on"]
-    names = tuple(f"blocks.{l}.attn.hook_{s}" for l in range(cfg.n_layers) for s in "qk")
+    sites = diagnostics.normaliser_sites(cfg)
 
     def forward(params, batch):
-        logits, acts = capture(model, {"params": params}, batch.inputs, names=names)
+        logits, acts = capture(model, {"params": params}, batch.inputs, names=sites)
         loss, metrics = token_metrics(logits, batch, loss_on)
         metrics.update(denominators(cfg, params, acts))
         return loss, metrics
@@ -374,11 +343,8 @@ def summarise(opts: dict, curves: dict, timing: dict, final_params: dict) -> dic
 
 
 # ---------------------------------------------------------------------------------------- output
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def figure(plt, report: dict):
+    """Training loss, held-out in-context accuracy and loss, and the smallest normaliser, per arm."""
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     colors = dict(baseline="tab:blue", bias="tab:red", bias_nonneg="tab:green")
     labels = dict(baseline="no bias", bias="trainable (B, b), b free", bias_nonneg="trainable (B, b), b >= 0")
@@ -410,8 +376,7 @@ def plot(report: dict, path: str) -> None:
     fig.suptitle(f"{cfg['task']}: {cfg['model']}, {len(cfg['seeds'])} seeds (line: mean, band: min-max)",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def _parse_decay(text: str):
@@ -422,10 +387,9 @@ def _parse_decay(text: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="results/bias_training", help="results folder")
+    parser = reporting.argument_parser(__doc__)
+    reporting.add_common_args(parser, out="results/bias_training", quick="a tiny model for a few steps (CI, seconds)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (>= 1)")
-    parser.add_argument("--quick", action="store_true", help="a tiny model for a few steps (CI, seconds)")
     parser.add_argument("--task", choices=("induction", "recall"), default="induction")
     parser.add_argument("--n-pairs", type=int, default=None,
                         help="recall: key-value pairs per sequence (default 16, 4 with --quick)")
@@ -448,7 +412,6 @@ def main(argv=None) -> int:
                         help="baseline: no bias terms; bias: the zoo's trainable (S_bias, z_bias), "
                              "z_bias unconstrained; bias_nonneg: the same with z_bias clipped to >= 0 "
                              "after every update (default: all three)")
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
     changes = {name: getattr(args, name) for name in FULL
@@ -473,30 +436,18 @@ def main(argv=None) -> int:
     if args.quick:  # a smoke test: compile time dominates, and XLA's optimisations do not pay off
         jax.config.update("jax_disable_most_optimizations", True)
     t0 = time.perf_counter()
-    result = run(opts, progress=not args.no_progress)
+    result = run(opts, progress=args.progress)
     wall = time.perf_counter() - t0
     report = dict(config=dict(opts, model=cfg.describe(), model_config={
         k: v for k, v in cfg.__dict__.items()}, optimizer="clip_by_global_norm(1) + AdamW "
         f"(lr {opts['lr']}, linear warm-up {opts['warmup']} steps then constant, weight decay "
         f"{opts['weight_decay']} on matrices only)"),
-        machine=dict(platform=platform.platform(), jax=jax.__version__, devices=str(jax.devices()),
-                     cpu_count=os.cpu_count()),
-        wall_s=wall, **result)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bias_training.json"), "w") as f:
-        json.dump(report, f, default=_json_default)
-    plot(report, os.path.join(args.out, "bias_training.png"))
+        machine=reporting.machine_info(), wall_s=wall, **result)
+    reporting.write_json(os.path.join(args.out, "bias_training.json"), report, indent=None)
     print_summary(report)
-    print(f"\nwrote {args.out}/bias_training.json and bias_training.png ({wall:.1f} s)")
+    png = reporting.plot(os.path.join(args.out, "bias_training.png"), figure, report, dpi=120)
+    print(f"\nwrote {args.out}/bias_training.json" + (" and bias_training.png" if png else "") + f" ({wall:.1f} s)")
     return 0
-
-
-def _json_default(x):
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    if isinstance(x, tuple):
-        return list(x)
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
 def _fmt(s) -> str:

@@ -23,10 +23,7 @@ the per-query correctness) and ``OUT/icl_baselines.png`` (accuracy vs k per task
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -35,44 +32,19 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-import linicl
 import linicl.lm
-from linicl import data
+from linicl import data, reporting
 from linicl.errors import LiniclError
 from linicl.evaluate import evaluate
 
 QUICK_TASKS = ("sst2", "antonym")
 
 
-def checkpoint_adds_bos(path: Path) -> bool:
-    """Whether the checkpoint's tokenizer prepends BOS by default (False when it does not say)."""
-    if path.is_file() and path.suffix == ".gguf":
-        value = linicl.lm.read_gguf(path).metadata.get("tokenizer.ggml.add_bos_token", False)
-        return bool(value)
-    config = path / "tokenizer_config.json"
-    if config.is_file():
-        return bool(json.loads(config.read_text()).get("add_bos_token", False))
-    return False
-
-
-def load_model(path: str | None, max_len: int):
-    source = Path(path) if path else Path(linicl.lm.smollm2_gguf_path())
-    if path:
-        model, variables, tok = linicl.lm.from_pretrained(source)
-        if model.cfg.positions != "learned":  # rope: the cache size only; learned: a hard limit
-            model = linicl.Transformer(model.cfg.replace(max_len=max_len))
-    else:
-        model, variables, tok = linicl.lm.smollm2(max_len=max_len)
-    if tok is None:
-        raise SystemExit(f"{source} has no tokenizer; the baselines need one")
-    return source, model, variables, tok
-
-
 def run(args) -> dict:
     t_start = time.perf_counter()
-    source, model, variables, tok = load_model(args.model, args.max_len)
+    source, model, variables, tok = linicl.lm.load(args.model, max_len=args.max_len, require_tokenizer=True)
     load_s = time.perf_counter() - t_start
-    add_bos = {"on": True, "off": False, "auto": checkpoint_adds_bos(source)}[args.bos]
+    add_bos = {"on": True, "off": False, "auto": linicl.lm.adds_bos(source)}[args.bos]
     tasks = args.tasks or (list(QUICK_TASKS) if args.quick else data.list_tasks(args.data_dir))
     rows, skipped = [], []
     combos = [(t, k, s) for t in tasks for k in args.k for s in args.seeds]
@@ -102,8 +74,7 @@ def run(args) -> dict:
         settings=dict(tasks=tasks, k=args.k, seeds=args.seeds, n_eval=args.n_eval, batch_size=args.batch_size,
                       bucket=args.bucket, add_bos=add_bos, bos=args.bos, max_len=args.max_len,
                       data_dir=str(data.resolve_data_dir(args.data_dir))),
-        machine=dict(platform=platform.platform(), jax=jax.__version__, devices=str(jax.devices()),
-                     cpu_count=os.cpu_count()),
+        machine=reporting.machine_info(),
         timing=dict(load_s=load_s, total_s=total_s, eval_s=sum(r["seconds"] for r in rows),
                     n_tokens=sum(r["n_tokens"] for r in rows),
                     n_padded_tokens=sum(r["n_padded_tokens"] for r in rows),
@@ -124,23 +95,18 @@ def table(rows) -> dict:
 
 def markdown(report: dict) -> str:
     ks = [str(k) for k in report["settings"]["k"]]
-    lines = ["| task | metric | n | chance | " + " | ".join(f"k={k}" for k in ks) + " |",
-             "|---|---|---|---|" + "---|" * len(ks)]
+    rows = []
     for name, e in report["table"].items():
         chance = "" if e["chance"] is None else f"{e['chance']:.2f}"
-        accs = " | ".join(f"{e['acc'][k]:.2f}" if k in e["acc"] else "-" for k in ks)
-        lines.append(f"| {name} | {e['metric']} | {e['n']} | {chance} | {accs} |")
+        rows.append([name, e["metric"], e["n"], chance] + [f"{e['acc'][k]:.2f}" if k in e["acc"] else "-" for k in ks])
     if report["table"]:
         means = [np.mean([e["acc"][k] for e in report["table"].values() if k in e["acc"]]) for k in ks]
-        lines.append("| **mean** | | | | " + " | ".join(f"**{m:.2f}**" for m in means) + " |")
-    return "\n".join(lines)
+        rows.append(["**mean**", "", "", ""] + [f"**{m:.2f}**" for m in means])
+    return reporting.markdown_table(["task", "metric", "n", "chance"] + [f"k={k}" for k in ks], rows)
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def figure(plt, report: dict):
+    """Accuracy against k, one panel per task (every seed a grey dot)."""
     names = list(report["table"])
     ks = report["settings"]["k"]
     ncols = min(6, max(1, len(names)))
@@ -166,13 +132,13 @@ def plot(report: dict, path: str) -> None:
     fig.suptitle(f"ICL accuracy vs k: {model}, n={report['settings']['n_eval']} per task, "
                  f"seeds {report['settings']['seeds']} (dotted: chance)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="results/icl_baselines", help="results folder")
+    parser = reporting.argument_parser(__doc__)
+    reporting.add_common_args(parser, out="results/icl_baselines", data_dir=True,
+                              quick=f"CI: tasks {' '.join(QUICK_TASKS)}, 8 queries, k 0 1")
     parser.add_argument("--model", default=None, help="checkpoint (HF directory or .gguf); default SmolLM2")
     parser.add_argument("--tasks", nargs="+", default=None, help="task names (default: every shared task)")
     parser.add_argument("--k", nargs="+", type=int, default=None, help="demonstrations per prompt (default 0 1 4 8)")
@@ -184,9 +150,6 @@ def main(argv=None) -> int:
     parser.add_argument("--max-len", type=int, default=2048, help="longest prompt (rope models)")
     parser.add_argument("--bos", choices=["auto", "on", "off"], default="auto",
                         help="prepend BOS: as the checkpoint's tokenizer says (auto), always, never")
-    parser.add_argument("--data-dir", default=None, help="data directory (default $LINICL_DATA_DIR)")
-    parser.add_argument("--quick", action="store_true", help=f"CI: tasks {' '.join(QUICK_TASKS)}, 8 queries, k 0 1")
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
     if args.bucket != "geometric":
         args.bucket = int(args.bucket)
@@ -196,23 +159,17 @@ def main(argv=None) -> int:
         args.n_eval = 8 if args.quick else 16
     try:
         data.resolve_data_dir(args.data_dir)
-    except LiniclError as e:
-        print(f"icl_baselines: {e}", file=sys.stderr)
-        return 2
-    try:
         report = run(args)
     except LiniclError as e:
         print(f"icl_baselines: {e}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "icl_baselines.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    plot(report, os.path.join(args.out, "icl_baselines.png"))
+    reporting.write_json(os.path.join(args.out, "icl_baselines.json"), report)
     print(markdown(report))
+    png = reporting.plot(os.path.join(args.out, "icl_baselines.png"), figure, report)
     t = report["timing"]
     print(f"\n{len(report['results'])} evaluations, {len(report['skipped'])} skipped; total {t['total_s']:.0f} s "
           f"(load {t['load_s']:.0f} s), {t['n_tokens']} prompt tokens at {t['tokens_per_s']:.0f} tokens/s "
-          f"(compilation included); wrote {args.out}/icl_baselines.json and .png")
+          f"(compilation included); wrote {args.out}/icl_baselines.json" + (" and .png" if png else ""))
     return 0
 
 

@@ -23,23 +23,20 @@ Writes ``OUT/implicit_dherin_<dtype>.json`` and ``OUT/implicit_dherin_<dtype>.pn
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
-import platform
 import resource
 import sys
 import time
 
+from linicl import reporting
 from linicl.timing import FAST_COMPILE, QUICK_COMPILE, peak_rss_mb
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="results/implicit", help="results folder")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a tiny run (CI)")
+    p = reporting.argument_parser(__doc__)
+    reporting.add_common_args(p, out="results/implicit", quick="a tiny run (CI)", seed="initialisation and tasks",
+                              plots=True)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=64)
@@ -54,8 +51,6 @@ def parse(argv=None):
     p.add_argument("--ft-tasks", type=int, default=64)
     p.add_argument("--ft-steps", type=int, default=100, help="GD steps on W")
     p.add_argument("--ft-lr", type=float, default=0.05)
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.n_context, args.d_ff = 20, 16, 12, 32
@@ -99,7 +94,7 @@ def run(args) -> dict:
     opt_state = opt.init(params)
     k_train, k_test = jax.random.split(jax.random.PRNGKey(args.seed))
     train_loss = []
-    for t in tqdm(range(args.steps), desc="train the block", disable=args.no_progress):
+    for t in tqdm(range(args.steps), desc="train the block", disable=not args.progress):
         params, opt_state, value = train_step(params, opt_state, jax.random.fold_in(k_train, t))
         train_loss.append(float(value))
     train_s = time.perf_counter() - t0
@@ -150,7 +145,7 @@ def run(args) -> dict:
 
     ft_batch = jax.tree.map(lambda a: a[:args.ft_tasks], test)
     finetuning = []
-    for n in tqdm(args.ft_lengths, desc="finetune W", disable=args.no_progress):
+    for n in tqdm(args.ft_lengths, desc="finetune W", disable=not args.progress):
         r = finetune(ft_batch, n)
         loss = lambda pred: float(0.5 * jnp.mean(jnp.square(pred - ft_batch.target)))  # noqa: E731
         finetuning.append(dict(
@@ -177,10 +172,8 @@ def run(args) -> dict:
         learning_rate_max=float(np.max(lrs)), finetuning=finetuning)
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def figure(plt, report: dict):
+    """Loss against context length, implicit GD step norms, and implicit against explicit updates."""
     import numpy as np
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
@@ -209,10 +202,7 @@ def plot(report: dict, path: str) -> None:
     c.legend(fontsize=8, loc="center left")
     c2.legend(fontsize=8, loc="center right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
+    return fig
 
 
 def main(argv=None) -> int:
@@ -224,12 +214,9 @@ def main(argv=None) -> int:
     report = run(args)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     report.update(wall_s=time.perf_counter() - start, cpu_s=usage.ru_utime + usage.ru_stime,
-                  peak_rss_mb=peak_rss_mb(),
-                  machine=dict(platform=platform.platform(), jax=jax.__version__, cpu_count=os.cpu_count()))
-    os.makedirs(args.out, exist_ok=True)
+                  peak_rss_mb=peak_rss_mb(), machine=reporting.machine_info())
     prefix = os.path.join(args.out, f"implicit_dherin_{args.dtype}")
-    with open(prefix + ".json", "w") as f:
-        json.dump(report, f)
+    reporting.write_json(prefix + ".json", report, indent=None)
     lc, ld = report["loss_with_context"], report["loss_with_delta_W"]
     print(f"{report['config']['model']}: trained {args.steps} steps in {report['train_s']:.1f} s "
           f"(final train loss {report['train_loss'][-1]:.4f})")
@@ -242,9 +229,8 @@ def main(argv=None) -> int:
         print(f"n={r['n']:4d}: loss no-context {r['loss_no_context']:.4f}, implicit {r['loss_implicit']:.4f}, "
               f"finetuned {r['loss_finetuned']:.4f}; cos(ΔW_ft, ΔW) {r['cos_ft_implicit_mean']:+.3f}, "
               f"cos(first GD step, ΔW) {r['cos_first_step_implicit_mean']:+.3f}")
-    if not args.no_plots:
-        plot(report, prefix + ".png")
-        print(f"wrote {prefix}.json and .png")
+    png = args.plots and reporting.plot(prefix + ".png", figure, report)
+    print(f"wrote {prefix}.json" + (" and .png" if png else ""))
     return 0
 
 

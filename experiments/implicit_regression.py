@@ -27,23 +27,19 @@ import time
 
 _START = time.perf_counter()
 
-import argparse  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
 
-
+from linicl import reporting  # noqa: E402
 from linicl.timing import FAST_COMPILE, QUICK_COMPILE, peak_rss_mb  # noqa: E402
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="results/implicit", help="results folder")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a few steps on a small batch (CI)")
+    p = reporting.argument_parser(__doc__)
+    reporting.add_common_args(p, out="results/implicit", quick="a few steps on a small batch (CI)",
+                              seed="initialisation and tasks", plots=True)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--ln", choices=("none", "pre"), default="none", help="block norms (pre: Fig. A.3)")
     p.add_argument("--steps", type=int, default=100)
@@ -56,8 +52,6 @@ def parse(argv=None):
     p.add_argument("--msd-steps", default="1,50,100", help="steps with the per-block MSD")
     p.add_argument("--align-steps", default="0,50,90", help="steps with the alignment maps")
     p.add_argument("--align-tasks", type=int, default=3)
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.n_tokens, args.msd_steps, args.align_steps = 4, 16, 11, "1,4", "0,2"
@@ -187,7 +181,7 @@ def run(args) -> dict:
         return out
 
     # Step t: the parameters after t Adam updates (t = 0: the initialisation), on a fresh test batch.
-    for t in tqdm(range(args.steps + 1), desc=f"train ({args.ln}-LN, {args.dtype})", disable=args.no_progress):
+    for t in tqdm(range(args.steps + 1), desc=f"train ({args.ln}-LN, {args.dtype})", disable=not args.progress):
         test_key = jax.random.fold_in(k_test, t)
         if t in args.msd_steps or t in args.align_steps:
             probe = tolist(timed("probes", exactness, {"params": params}, test_key))
@@ -207,13 +201,10 @@ def run(args) -> dict:
                 curves=curves, msd_steps=msd, alignment_steps=align, seconds=seconds)
 
 
-def plot(report: dict, prefix: str) -> list:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def fig1(plt, report: dict):
+    """Fig. 1: the test loss of the model and of its implicit versions, and the per-block MSD."""
     import numpy as np
 
-    paths = []
     c, steps = report["curves"], report["steps"]
     ln, dtype = report["config"]["ln"], report["config"]["dtype"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -235,56 +226,74 @@ def plot(report: dict, prefix: str) -> list:
     b.set_xticks(np.arange(L) + width * (len(msd) - 1) / 2, [str(i + 1) for i in range(L)])
     b.legend()
     fig.tight_layout()
-    paths.append(f"{prefix}_fig1.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    return fig
 
-    align = report["alignment_steps"]
-    if align:
-        times = sorted(align, key=int)
-        tok = {t: np.asarray(align[t]["tokens"]) for t in times}          # [L, tasks, N, N]
-        L, n_tasks = tok[times[0]].shape[:2]
+
+def align_tokens_figure(plt, align: dict, task: int):
+    """Fig. A.1: DA(ΔW_i, ΔW_j) between the token positions of every block, at each step, for one task."""
+    import numpy as np
+
+    times = sorted(align, key=int)
+    tok = {t: np.asarray(align[t]["tokens"]) for t in times}          # [L, tasks, N, N]
+    L = tok[times[0]].shape[0]
+    fig, axes = plt.subplots(len(times), L, figsize=(2.2 * L, 2.2 * len(times)), squeeze=False,
+                             layout="constrained")
+    for r, t in enumerate(times):
+        for l in range(L):
+            im = axes[r, l].imshow(tok[t][l, task], vmin=-1, vmax=1, cmap="RdBu_r")
+            axes[r, l].set(xticks=[], yticks=[], title=f"block {l + 1}, t={t}")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6)
+    fig.suptitle(f"DA(ΔW_i, ΔW_j) between token positions, task {task}")
+    return fig
+
+
+def align_blocks_figure(plt, align: dict, n_tasks: int):
+    """Fig. A.2: DA of the last-token updates between blocks, at each step, for every task."""
+    import numpy as np
+
+    times = sorted(align, key=int)
+    fig, axes = plt.subplots(len(times), n_tasks, figsize=(2.6 * n_tasks, 2.6 * len(times)), squeeze=False,
+                             layout="constrained")
+    for r, t in enumerate(times):
+        blocks = np.asarray(align[t]["blocks"])
         for task in range(n_tasks):
-            fig, axes = plt.subplots(len(times), L, figsize=(2.2 * L, 2.2 * len(times)), squeeze=False,
-                                     layout="constrained")
-            for r, t in enumerate(times):
-                for l in range(L):
-                    im = axes[r, l].imshow(tok[t][l, task], vmin=-1, vmax=1, cmap="RdBu_r")
-                    axes[r, l].set(xticks=[], yticks=[], title=f"block {l + 1}, t={t}")
-            fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6)
-            fig.suptitle(f"DA(ΔW_i, ΔW_j) between token positions, task {task}")
-            paths.append(f"{prefix}_align_tokens_task{task}.png")
-            fig.savefig(paths[-1], dpi=90)
-            plt.close(fig)
-        fig, axes = plt.subplots(len(times), n_tasks, figsize=(2.6 * n_tasks, 2.6 * len(times)), squeeze=False,
-                                 layout="constrained")
-        for r, t in enumerate(times):
-            blocks = np.asarray(align[t]["blocks"])
-            for task in range(n_tasks):
-                im = axes[r, task].imshow(blocks[task], vmin=-1, vmax=1, cmap="RdBu_r")
-                ticks = range(blocks.shape[-1])
-                axes[r, task].set(title=f"task {task}, t={t}", xticks=ticks, yticks=ticks,
-                                  xticklabels=[str(i + 1) for i in ticks], yticklabels=[str(i + 1) for i in ticks])
-        fig.suptitle("DA of the last-token updates between blocks")
-        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6)
-        paths.append(f"{prefix}_align_blocks.png")
-        fig.savefig(paths[-1], dpi=90)
-        plt.close(fig)
+            im = axes[r, task].imshow(blocks[task], vmin=-1, vmax=1, cmap="RdBu_r")
+            ticks = range(blocks.shape[-1])
+            axes[r, task].set(title=f"task {task}, t={t}", xticks=ticks, yticks=ticks,
+                              xticklabels=[str(i + 1) for i in ticks], yticklabels=[str(i + 1) for i in ticks])
+    fig.suptitle("DA of the last-token updates between blocks")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6)
+    return fig
 
-    fro = np.asarray(c["dW_fro_last_token"])                                # [steps + 1, L]
+
+def norms_figure(plt, report: dict):
+    """The last-token update norm of every block against the training step."""
+    import numpy as np
+
+    fro = np.asarray(report["curves"]["dW_fro_last_token"])                # [steps + 1, L]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for l in range(fro.shape[1]):
-        ax.plot(steps, fro[:, l], label=f"block {l + 1}")
+        ax.plot(report["steps"], fro[:, l], label=f"block {l + 1}")
     ax.set(yscale="log", xlabel="training step", ylabel="‖ΔW_N‖_F (= spectral, rank 1)",
            title="last-token update norm, mean over tasks")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(f"{prefix}_norms.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return fig
 
 
+def plot(report: dict, prefix: str) -> list:
+    """Every figure as ``prefix_*.png``; the paths written (none without matplotlib)."""
+    import numpy as np
+
+    paths = [reporting.plot(f"{prefix}_fig1.png", fig1, report)]
+    align = report["alignment_steps"]
+    if align:
+        n_tasks = np.asarray(align[min(align, key=int)]["tokens"]).shape[1]
+        paths += [reporting.plot(f"{prefix}_align_tokens_task{task}.png", align_tokens_figure, align, task, dpi=90)
+                  for task in range(n_tasks)]
+        paths.append(reporting.plot(f"{prefix}_align_blocks.png", align_blocks_figure, align, n_tasks, dpi=90))
+    paths.append(reporting.plot(f"{prefix}_norms.png", norms_figure, report))
+    return [p for p in paths if p is not None]
 
 
 def main(argv=None) -> int:
@@ -297,12 +306,9 @@ def main(argv=None) -> int:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     report["cpu_s"] = usage.ru_utime + usage.ru_stime
     report["peak_rss_mb"] = peak_rss_mb()
-    report["machine"] = dict(platform=platform.platform(), jax=jax.__version__, cpu_count=os.cpu_count(),
-                             devices=str(jax.devices()))
-    os.makedirs(args.out, exist_ok=True)
+    report["machine"] = reporting.machine_info()
     prefix = os.path.join(args.out, f"implicit_regression_{args.ln}_{args.dtype}")
-    with open(prefix + ".json", "w") as f:
-        json.dump(report, f)
+    reporting.write_json(prefix + ".json", report, indent=None)
     c = report["curves"]
     print(f"{report['config']['model']}: {args.steps} steps in {report['wall_s']:.1f} s "
           f"({report['cpu_s']:.1f} s CPU; " + ", ".join(f"{k} {v:.1f} s" for k, v in report["seconds"].items())
@@ -314,9 +320,8 @@ def main(argv=None) -> int:
               + f"  (max |diff| {max(row['max_abs_err']):.1e}, rank Σ_i ΔW_i <= {max(row['rank_sum_max'])}; "
               f"whole network: loss {row['loss_implicit_network']:.4f} vs {row['loss_model']:.4f}, "
               f"max |diff| {row['network_max_abs_err']:.1e})")
-    if not args.no_plots:
-        paths = plot(report, prefix)
-        print("wrote " + prefix + ".json and " + ", ".join(os.path.basename(p) for p in paths))
+    paths = plot(report, prefix) if args.plots else []
+    print("wrote " + prefix + ".json" + "".join(f", {os.path.basename(p)}" for p in paths))
     return 0
 
 

@@ -17,8 +17,8 @@ Reported: accuracy per task and method, ID and OOD averages, collapses (tasks wh
 below zero-shot), whether ICR meets the targets (no collapse; ID average >= 5 points over zero-shot).
 Writes ``OUT/routing.json``, ``OUT/routing.md`` (the table, also printed) and ``OUT/routing.png``.
 
-Nothing long is lost: the PIDs (``OUT/pids.npz``), the training state (``OUT/ckpt/*.msgpack``, every
-``--checkpoint-every`` steps), the routers (``OUT/router*.msgpack``) and each finished task's row
+Nothing long is lost: the PIDs (``OUT/pids.npz``), the training state (``OUT/ckpt/*.safetensors``, every
+``--checkpoint-every`` steps), the routers (``OUT/router*.safetensors``) and each finished task's row
 (``OUT/progress.json``) are written as soon as they exist. ``--resume`` reuses whatever an earlier run
 with the same settings left in OUT (a fingerprint of the settings guards against mixing runs).
 
@@ -39,14 +39,17 @@ import time
 
 import numpy as np
 
+from linicl import reporting
+
 ID_TASKS = ("sst2", "trec", "agnews", "commonsense_qa", "antonym")
 OOD_TASKS = ("cb", "sentiment", "country-capital", "singular-plural")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = reporting.argument_parser(__doc__)
+    reporting.add_common_args(p, out="results/routing", quick="tiny sizes for CI", data_dir=True,
+                              seed="queries, demos, PID prompts, router init, random basis")
     p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint path (HF dir or .gguf)")
-    p.add_argument("--data-dir", default=None, help="data directory (default: $LINICL_DATA_DIR)")
     p.add_argument("--id-tasks", default=",".join(ID_TASKS))
     p.add_argument("--ood-tasks", default=",".join(OOD_TASKS))
     p.add_argument("--rank", type=int, default=8)
@@ -59,14 +62,10 @@ def parse_args(argv=None):
     p.add_argument("--n-eval", type=int, default=100, help="test queries per task")
     p.add_argument("--shots", type=int, default=4, help="demos in the few-shot baseline prompts")
     p.add_argument("--tv-prompts", type=int, default=32, help="prompts per task for the task vector")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-basis", action=argparse.BooleanOptionalAction, default=True,
                    help="also train and evaluate the random-orthonormal-basis control (doubles training)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="router training steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="reuse what a run with the same settings left in --out")
-    p.add_argument("--quick", action="store_true", help="tiny sizes for CI")
-    p.add_argument("--out", default="results/routing")
-    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.id_tasks, args.ood_tasks = "sst2", "cb"
@@ -76,10 +75,12 @@ def parse_args(argv=None):
 
 
 def load_model(name: str):
-    import linicl
-    if name == "smollm2":
-        return linicl.lm.smollm2(max_len=1024)
-    return linicl.lm.from_pretrained(name)
+    """``(model, variables, tokenizer)``: SmolLM2 with a 1024-token context, or the checkpoint ``name`` as
+    it is."""
+    import linicl.lm
+    smollm2 = name == "smollm2"
+    _, model, variables, tokenizer = linicl.lm.load(None if smollm2 else name, max_len=1024 if smollm2 else None)
+    return model, variables, tokenizer
 
 
 def zero_shot_prompts(task, tokenizer, n: int, seed: int, split: str = "train"):
@@ -112,7 +113,7 @@ def build_pids(model, variables, tokenizer, tasks, args):
     meta = {"tasks": [t.name for t in tasks], "prompts_per_task": args.pid_prompts,
             "demos_per_class": args.pid_shots, "seed": args.seed}
     return routing.extract_pids(model, variables, prompts, r=args.rank, meta=meta,
-                                progress=not args.no_progress)
+                                progress=args.progress)
 
 
 def random_pids(pids, seed: int):
@@ -131,13 +132,13 @@ def prepare(model, variables, tokenizer, tasks, pids, args):
         ps, template = zero_shot_prompts(task, tokenizer, args.train, args.seed)
         prompts += ps
         answers += [tokenizer.encode(template.label_prefix + p.label)[0] for p in ps]
-    return routing.prepare(model, variables, prompts, answers, pids, progress=not args.no_progress)
+    return routing.prepare(model, variables, prompts, answers, pids, progress=args.progress)
 
 
 def train(model, variables, pids, data, args, checkpoint):
     from linicl import routing
     return routing.train_router(model, variables, pids, data, epochs=args.epochs, batch_size=args.batch,
-                                lr=args.lr, seed=args.seed, progress=not args.no_progress,
+                                lr=args.lr, seed=args.seed, progress=args.progress,
                                 checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
 
 
@@ -201,19 +202,12 @@ def table(results: dict, summary: dict, id_tasks, ood_tasks) -> str:
     """The result table (accuracy in %) as Markdown: one row per task, the group averages and the
     number of collapses (tasks where a method is below zero-shot)."""
     methods = [m for m in next(iter(results.values())) if m not in ("n", "metric")]
-    head = "| task | group | n | " + " | ".join(methods) + " |"
-    lines = [head, "|" + "---|" * (3 + len(methods))]
-    for group, names in (("ID", id_tasks), ("OOD", ood_tasks)):
-        for t in names:
-            if t in results:
-                r = results[t]
-                lines.append(f"| {t} | {group} | {r['n']} | " + " | ".join(f"{100 * r[m]:.1f}" for m in methods) + " |")
-    for group in ("ID", "OOD", "all"):
-        if group in summary:
-            lines.append(f"| **{group} average** | | | "
-                         + " | ".join(f"{100 * summary[group][m]:.1f}" for m in methods) + " |")
-    lines.append("| **collapses** | | | " + " | ".join(
-        "-" if m == "zero-shot" else str(summary["collapses"][m]) for m in methods) + " |")
+    rows = [[t, group, results[t]["n"]] + [f"{100 * results[t][m]:.1f}" for m in methods]
+            for group, names in (("ID", id_tasks), ("OOD", ood_tasks)) for t in names if t in results]
+    rows += [[f"**{group} average**", "", ""] + [f"{100 * summary[group][m]:.1f}" for m in methods]
+             for group in ("ID", "OOD", "all") if group in summary]
+    rows.append(["**collapses**", "", ""] + ["-" if m == "zero-shot" else summary["collapses"][m] for m in methods])
+    lines = [reporting.markdown_table(["task", "group", "n"] + methods, rows)]
     if "targets" in summary:
         t = summary["targets"]
         lines.append("")
@@ -224,10 +218,8 @@ def table(results: dict, summary: dict, id_tasks, ood_tasks) -> str:
     return "\n".join(lines)
 
 
-def plot(results, summary, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def figure(plt, results, summary):
+    """Accuracy per task, one bar per method."""
     tasks = list(results)
     methods = [m for m in results[tasks[0]] if m not in ("n", "metric")]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 4))
@@ -240,10 +232,10 @@ def plot(results, summary, path):
                  fontsize=7)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
-FINGERPRINT_IGNORES = ("out", "no_progress", "resume", "checkpoint_every", "data_dir")
+FINGERPRINT_IGNORES = ("out", "progress", "resume", "checkpoint_every", "data_dir")
 
 
 def fingerprint(args) -> str:
@@ -273,10 +265,7 @@ class Progress:
         return f"{phase}_s" in self.state["timings"]
 
     def save(self) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.state, f, indent=1)
-        os.replace(tmp, self.path)
+        reporting.write_json(self.path, self.state)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -318,7 +307,7 @@ def main(argv=None) -> int:
     arms = {"ICR": (pids, "router")}
     if args.random_basis:
         arms["ICR-random-basis"] = (random_pids(pids, args.seed), "router_random_basis")
-    trained = {name: os.path.exists(out(f"{file}.msgpack")) and prog.done(f"training_{name}")
+    trained = {name: os.path.exists(out(f"{file}.safetensors")) and prog.done(f"training_{name}")
                for name, (_, file) in arms.items()}
     if not all(trained.values()):
         with prog.phase("caching"):  # paid again on resume (the cache is large), cheap next to training
@@ -327,11 +316,11 @@ def main(argv=None) -> int:
     methods = {}
     for name, (arm_pids, file) in arms.items():
         if trained[name]:
-            router, params = routing.load_router(out(f"{file}.msgpack"))
+            router, params = routing.load_router(out(f"{file}.safetensors"))
         else:
             with prog.phase(f"training_{name}"):
                 router, params, history = train(model, variables, arm_pids, data, args,
-                                                out(f"ckpt/{file}.msgpack"))
+                                                out(f"ckpt/{file}.safetensors"))
                 routing.save_router(out(file), router, params)
                 prog.state["history"][name] = history
             log(f"training {name}: {timings[f'training_{name}_s']:.1f} s, final loss {history[-1]['loss']:.3f}")
@@ -340,7 +329,7 @@ def main(argv=None) -> int:
 
     from tqdm.auto import tqdm
     results, task_s = prog.state["results"], prog.state["eval_task_s"]
-    for task in tqdm(id_tasks + ood_tasks, desc="evaluate", disable=args.no_progress):
+    for task in tqdm(id_tasks + ood_tasks, desc="evaluate", disable=not args.progress):
         if task.name in results:
             continue
         t0 = time.perf_counter()
@@ -366,13 +355,12 @@ def main(argv=None) -> int:
               "results": results, "summary": summary, "table": text,
               "history": prog.state["history"].get("ICR", []),
               "random_history": prog.state["history"].get("ICR-random-basis", []),
-              "timings": timings, "eval_task_s": task_s}
-    with open(out("routing.json"), "w") as f:
-        json.dump(record, f, indent=1)
+              "timings": timings, "eval_task_s": task_s, "machine": reporting.machine_info()}
+    reporting.write_json(out("routing.json"), record)
     with open(out("routing.md"), "w") as f:
         f.write(f"`{command}` ({model.cfg.describe()}), wall time {timings['total_s'] / 60:.1f} min\n\n{text}\n")
-    plot(results, summary, out("routing.png"))
     print(text)
+    reporting.plot(out("routing.png"), figure, results, summary, dpi=120)
     print("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
     return 0
 

@@ -7,12 +7,20 @@ at the prompt's last token is scored against the label words:
   first token, ``label_prefix + word`` (e.g. " positive"), has the highest log-probability among the
   label tokens (label-restricted argmax, as in the ICR paper). ``check_label_words`` first makes sure
   every label word is a single, distinct token, so the restriction is exact.
-* **open-ended** tasks (``labels=None``, e.g. antonym, country-capital): a prompt counts as correct when
-  the *first token* of the gold answer (``label_prefix + answer``) is the argmax over the *whole
-  vocabulary*. This is a **first-token accuracy**: it is an upper bound on exact-match accuracy of a
-  greedy generation (the rest of a multi-token answer is not checked: " Paris" vs " Parisian" both pass
-  when they share their first token), and it is the metric of the function-vector and task-vector papers.
-  ``EvalResult.metric`` says which of the two was computed.
+* **open-ended** tasks (``labels=None``, e.g. antonym, country-capital) are scored on the answer itself,
+  never on a token every answer may share (SmolLM2 spells " 5" as [" ", "5"]: a first-token metric
+  would give any model that emits a space 100 %):
+
+  - ``"exact_match"`` (default): greedy decoding until the line break that ends an answer (or EOS, or
+    ``max_new_tokens``), then the normalised answer (``normalise_answer``: case, white space and
+    surrounding punctuation ignored) must equal the gold one;
+  - ``"first_content_token"`` (one forward pass, cheaper): the gold answer's blank prefix, if any, is
+    fed, and its first *content* token must be the argmax over the whole vocabulary (an upper bound
+    on exact match: " Paris" and " Parisian" share it).
+
+Every ``EvalResult`` carries n, a 95 % Wilson interval, the number of distinct predictions and their
+entropy, and flags a constant predictor (``EvalResult.constant``); classification adds the majority
+rate and the balanced accuracy. ``linicl.stats`` compares methods on the same queries.
 
 Batching and compilation (``linicl.batching``): prompts are sorted by length, cut into batches of a
 fixed ``batch_size``, and right-padded to a **length bucket** (``bucket_length``); the last batch is
@@ -41,6 +49,7 @@ Pass a function defined once (not a fresh lambda per call): the compiled functio
 
 from __future__ import annotations
 
+import string
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -54,6 +63,8 @@ from linicl.data.datasets import Task
 from linicl.data.prompts import Prompt, PromptBatch, Template, build_eval_set, check_label_words, template_for
 from linicl.errors import LiniclError
 from linicl.interventions import EditPlan, plan_edits
+from linicl.names import OPEN_METRICS
+from linicl.stats import Interval, wilson
 from linicl.nn.transformer import config_of, position_offset
 from linicl.parallel import device_mesh
 
@@ -90,8 +101,8 @@ def run_logprobs(model, variables, prompts, *, forward: Optional[Callable] = Non
                  select: Optional[Callable[[np.ndarray], Any]] = None) -> list:
     """Next-token log-probabilities at each prompt's last token, ``[vocab]`` per prompt in input order
     (or ``select(logprobs[B, vocab])`` per batch, split per row, to keep only what is needed). The
-    machinery behind ``label_logprobs`` and ``evaluate``; ``stats`` (a dict) receives
-    ``seconds``, ``n_tokens`` (real) and ``n_padded_tokens`` (computed)."""
+    machinery behind ``label_logprobs`` and ``evaluate``; ``stats`` (a dict) has ``seconds``,
+    ``n_tokens`` (real) and ``n_padded_tokens`` (computed) added to it."""
     cfg = config_of(model)
     rows = batching.as_rows(prompts)
     batching.check_room(rows, cfg, position_offset(variables))
@@ -114,8 +125,9 @@ def run_logprobs(model, variables, prompts, *, forward: Optional[Callable] = Non
                               bucket=bucket, extras=extras, mesh=mesh, progress=progress, desc=desc)
     out = batching.gather(checked(parts), len(rows))
     if stats is not None:
-        stats.update(seconds=time.perf_counter() - start, n_tokens=int(sum(len(r) for r in rows)),
-                     n_padded_tokens=int(n_padded))
+        for key, value in (("seconds", time.perf_counter() - start), ("n_tokens", sum(len(r) for r in rows)),
+                           ("n_padded_tokens", n_padded)):
+            stats[key] = stats.get(key, 0) + value
     return out
 
 
@@ -138,13 +150,21 @@ def label_logprobs(model, variables, batch: PromptBatch, *, forward: Optional[Ca
 # ---------------------------------------------------------------------------------------- evaluation
 @dataclass(frozen=True, eq=False)
 class EvalResult:
-    """One evaluation. ``metric`` is ``"label"`` (label-restricted argmax over ``label_words``) or
-    ``"first_token"`` (the gold answer's first token is the argmax over the whole vocabulary).
+    """One evaluation. ``metric`` (``linicl.names.EVAL_METRICS``): ``"label"`` (label-restricted argmax
+    over ``label_words``), ``"exact_match"`` (the greedy answer, normalised, equals the gold answer)
+    or ``"first_content_token"`` (the gold answer's first non-blank token is the argmax after its
+    blank prefix).
 
-    Per prompt (input order): ``predictions`` (predicted label word, or the decoded predicted token),
-    ``labels`` (gold label word / answer), ``correct``, ``pred_ids`` / ``gold_ids`` (token ids),
-    ``gold_logprob`` (log-probability of the gold (first) token over the whole vocabulary) and, for
-    classification, ``label_scores[n, n_labels]`` (log-probabilities of the label tokens)."""
+    Per prompt (input order): ``predictions`` (predicted label word, generated answer, or decoded
+    predicted token), ``labels`` (gold label word / answer), ``correct``, ``pred_ids`` / ``gold_ids``
+    (the scored token: the label's, or the first content token's; -1 for exact match, which scores
+    text), ``gold_logprob`` (log-probability of that gold token over the whole vocabulary; NaN for
+    exact match) and, for classification, ``label_scores[n, n_labels]``.
+
+    Beside the accuracy: its 95 % Wilson ``interval``, how many ``distinct`` predictions the model made
+    and their ``entropy`` (bits; 0 for a ``constant`` predictor), and for classification the
+    ``majority`` class rate and the ``balanced_accuracy`` (mean recall over the gold classes), which a
+    constant predictor cannot lift above 1 / classes."""
     task: str
     k: Optional[int]
     seed: Optional[int]
@@ -165,6 +185,11 @@ class EvalResult:
     n_padded_tokens: int = 0
 
     @property
+    def interval(self) -> Interval:
+        """The accuracy with its 95 % Wilson interval."""
+        return wilson(int(np.sum(self.correct)), self.n)
+
+    @property
     def chance(self) -> Optional[float]:
         """1 / number of labels (classification), else None."""
         return None if self.label_words is None else 1.0 / len(self.label_words)
@@ -177,93 +202,212 @@ class EvalResult:
         return max(self.labels.count(w) for w in self.label_words) / self.n
 
     @property
+    def balanced_accuracy(self) -> Optional[float]:
+        """Mean over the gold classes present of the share of that class predicted right."""
+        if self.label_words is None:
+            return None
+        gold = np.asarray(self.labels, dtype=object)
+        return float(np.mean([np.mean(self.correct[gold == w]) for w in sorted(set(self.labels))]))
+
+    @property
+    def distinct(self) -> int:
+        """How many different predictions the model made."""
+        return len(set(self.predictions))
+
+    @property
+    def entropy(self) -> float:
+        """Entropy (bits) of the empirical distribution of the predictions."""
+        _, counts = np.unique(np.asarray(self.predictions, dtype=object).astype(str), return_counts=True)
+        p = counts / counts.sum()
+        return float(-np.sum(p * np.log2(p)) + 0.0)
+
+    @property
+    def constant(self) -> bool:
+        """The same prediction for every query (n > 1): the accuracy then only measures how often
+        that one answer is gold, whatever the prompt says."""
+        return self.n > 1 and self.distinct == 1
+
+    @property
     def tokens_per_s(self) -> float:
         """Real prompt tokens per second of forward passes (compilation included)."""
         return self.n_tokens / self.seconds if self.seconds > 0 else float("nan")
 
     def summary(self) -> dict:
         """The scalars, JSON-ready."""
+        iv = self.interval
         return dict(task=self.task, k=self.k, seed=self.seed, metric=self.metric, accuracy=self.accuracy,
-                    n=self.n, chance=self.chance, majority=self.majority,
-                    mean_gold_logprob=float(np.mean(self.gold_logprob)), seconds=self.seconds,
-                    n_tokens=self.n_tokens, n_padded_tokens=self.n_padded_tokens,
+                    ci_low=iv.low, ci_high=iv.high, n=self.n, chance=self.chance, majority=self.majority,
+                    balanced_accuracy=self.balanced_accuracy, distinct=self.distinct, entropy=self.entropy,
+                    constant=self.constant, mean_gold_logprob=float(np.mean(self.gold_logprob)),
+                    seconds=self.seconds, n_tokens=self.n_tokens, n_padded_tokens=self.n_padded_tokens,
                     tokens_per_s=self.tokens_per_s)
 
     def to_dict(self) -> dict:
-        """Every number, JSON-ready (per-example lists included)."""
-        return dict(self.summary(), predictions=list(self.predictions), labels=list(self.labels),
-                    correct=self.correct.tolist(), pred_ids=self.pred_ids.tolist(),
-                    gold_ids=self.gold_ids.tolist(), gold_logprob=self.gold_logprob.tolist(),
-                    label_words=None if self.label_words is None else list(self.label_words),
-                    label_ids=None if self.label_ids is None else self.label_ids.tolist())
+        """Every number, JSON-ready (per-example lists included; NaN as None)."""
+        lp = [None if not np.isfinite(x) else float(x) for x in self.gold_logprob]
+        out = dict(self.summary(), predictions=list(self.predictions), labels=list(self.labels),
+                   correct=self.correct.tolist(), pred_ids=self.pred_ids.tolist(),
+                   gold_ids=self.gold_ids.tolist(), gold_logprob=lp,
+                   label_words=None if self.label_words is None else list(self.label_words),
+                   label_ids=None if self.label_ids is None else self.label_ids.tolist())
+        if not np.isfinite(out["mean_gold_logprob"]):
+            out["mean_gold_logprob"] = None
+        return out
+
+    def describe(self) -> str:
+        """One line: ``"sst2 k=4: 62.5 [45.1, 77.3] % (label, n=32; CONSTANT predictor)"``."""
+        flag = "; CONSTANT predictor" if self.constant else f"; {self.distinct} distinct predictions"
+        extra = "" if self.label_words is None else f", balanced {100 * self.balanced_accuracy:.1f} %"
+        return (f"{self.task} k={self.k}: {self.interval.fmt()} % ({self.metric}, n={self.n}{extra}{flag})")
 
 
-def _first_token(tokenizer, text: str) -> int:
-    ids = list(tokenizer.encode(text))
+# ---------------------------------------------------------------------------------------- open answers
+def normalise_answer(text: str) -> str:
+    """The form answers are compared in: lower case, whitespace collapsed, surrounding whitespace
+    and punctuation stripped (``" Paris."`` -> ``"paris"``)."""
+    return " ".join(text.split()).lower().strip(string.punctuation + " ")
+
+
+def first_content_index(tokenizer, ids: Sequence[int]) -> int:
+    """Index of the first token of ``ids`` that decodes to something other than white space. A
+    tokenizer may spell " 5" as [" ", "5"]: the first token of every such answer is the same blank,
+    so only the first *content* token tells answers apart."""
+    for j, i in enumerate(ids):
+        if tokenizer.decode([int(i)]).strip():
+            return j
+    raise LiniclError(f"the answer {tokenizer.decode([int(i) for i in ids])!r} has no content token")
+
+
+def _answer_ids(tokenizer, text: str) -> list:
+    ids = [int(i) for i in tokenizer.encode(text)]
     if not ids:
         raise LiniclError(f"the answer {text!r} encodes to no tokens")
-    return int(ids[0])
+    return ids
+
+
+def _end_of_answer(text: str) -> int:
+    """Where a generated answer ends: at its first line break (every template ends an answer there)."""
+    cut = text.find("\n")
+    return len(text) if cut < 0 else cut
+
+
+def greedy_answers(model, variables, tokenizer, rows: list, *, max_new: int, common: dict) -> list:
+    """Greedy continuations of every row (``int32[n_i]`` tokens) until a line break, the tokenizer's
+    EOS or ``max_new`` tokens: the decoded answers, cut at the line break.
+
+    Each step is one ``run_logprobs`` pass over every row with its answer so far appended (right-padded
+    and bucketed like any evaluation, so the batch shape stays the same and every step reuses the
+    compiled forwards; rows that have finished ride along until all have). There is no decode cache,
+    so any ``forward``/``edits`` hook applies unchanged: edits placed at the last token act on each
+    step's last token, as they would while generating."""
+    eos = getattr(tokenizer, "eos_id", None)
+    out = [[] for _ in rows]
+    done = [False] * len(rows)
+    for _ in range(max_new):
+        if all(done):
+            break
+        step = dict(common, progress=False)
+        picks = run_logprobs(model, variables, [np.concatenate([r, np.asarray(o, np.int32)]) for r, o in zip(rows, out)],
+                             select=lambda a: np.argmax(a, axis=-1), **step)
+        for i, t in enumerate(picks):
+            if not done[i]:
+                out[i].append(int(t))
+                done[i] = int(t) == eos or "\n" in tokenizer.decode(out[i])
+    texts = []
+    for ids in out:
+        ids = [i for i in ids if i != eos]
+        text = tokenizer.decode(ids)
+        texts.append(text[:_end_of_answer(text)])
+    return texts
+
+
+def _score_labels(model, variables, tokenizer, prompts, gold_words, labels, label_prefix, common):
+    label_ids = check_label_words(labels, tokenizer, prefix=label_prefix)
+    unknown = sorted(set(gold_words) - set(labels))
+    if unknown:
+        raise LiniclError(f"evaluate: gold labels {unknown} are not among the label words {list(labels)}")
+    gold_idx = np.asarray([labels.index(w) for w in gold_words], np.int32)
+    scores = np.stack(run_logprobs(model, variables, prompts, select=lambda lp: lp[:, label_ids], **common))
+    pick = np.argmax(scores, axis=-1)
+    return dict(metric="label", predictions=tuple(labels[i] for i in pick), pred_ids=label_ids[pick],
+                gold_ids=label_ids[gold_idx], gold_logprob=scores[np.arange(len(prompts)), gold_idx],
+                label_words=labels, label_ids=label_ids, label_scores=scores)
+
+
+def _score_first_content(model, variables, tokenizer, prompts, gold_words, label_prefix, common):
+    """Teacher-force each gold answer's blank prefix, then score its first content token."""
+    golds = [_answer_ids(tokenizer, label_prefix + w) for w in gold_words]
+    cut = [first_content_index(tokenizer, g) for g in golds]
+    rows = [np.concatenate([np.asarray(p.tokens, np.int32), np.asarray(g[:j], np.int32)])
+            for p, g, j in zip(prompts, golds, cut)]
+    gold_ids = np.asarray([g[j] for g, j in zip(golds, cut)], np.int32)
+    lp = np.stack(run_logprobs(model, variables, rows, select=lambda a: a, **common))
+    pred_ids = np.argmax(lp, axis=-1).astype(np.int32)
+    return dict(metric="first_content_token", predictions=tuple(tokenizer.decode([int(i)]) for i in pred_ids),
+                pred_ids=pred_ids, gold_ids=gold_ids, gold_logprob=lp[np.arange(len(rows)), gold_ids])
+
+
+def _score_exact_match(model, variables, tokenizer, prompts, gold_words, label_prefix, max_new, common):
+    if max_new is None:  # room for the longest gold answer and its line break
+        max_new = max(len(_answer_ids(tokenizer, label_prefix + w)) for w in gold_words) + 2
+    texts = greedy_answers(model, variables, tokenizer, [np.asarray(p.tokens, np.int32) for p in prompts],
+                           max_new=max_new, common=common)
+    n = len(prompts)
+    return dict(metric="exact_match", predictions=tuple(texts), pred_ids=np.full(n, -1, np.int32),
+                gold_ids=np.full(n, -1, np.int32), gold_logprob=np.full(n, np.nan),
+                correct=np.asarray([normalise_answer(t) == normalise_answer(w) for t, w in zip(texts, gold_words)]))
 
 
 def evaluate_prompts(model, variables, tokenizer, prompts: Sequence[Prompt], *,
                      labels: Optional[Sequence[str]] = None, label_prefix: str = " ", task: str = "",
                      k: Optional[int] = None, seed: Optional[int] = None, batch_size: int = 16,
                      bucket: int | str = "geometric", edits=None, forward: Optional[Callable] = None,
-                     extras=None, mesh=None, progress: bool = True) -> EvalResult:
+                     extras=None, mesh=None, progress: bool = True, open_metric: str = "exact_match",
+                     max_new_tokens: Optional[int] = None) -> EvalResult:
     """Score ready-made prompts (each with its gold ``Prompt.label``): label-restricted accuracy over
-    ``labels`` when given, else first-token accuracy over the whole vocabulary (module docstring)."""
+    ``labels`` when given; else ``open_metric``: ``"exact_match"`` of the greedy answer (up to
+    ``max_new_tokens``, default: the longest gold answer's tokens + 2) or the cheaper
+    ``"first_content_token"`` (module docstring)."""
     prompts = list(prompts)
     if not prompts:
         raise LiniclError("evaluate: no prompts")
+    if labels is None and open_metric not in OPEN_METRICS:
+        raise LiniclError(f"open_metric must be one of {OPEN_METRICS}, got {open_metric!r}")
     gold_words = tuple(p.label for p in prompts)
-    stats: dict = {}
+    counts: dict = {}
     common = dict(forward=forward, edits=edits, extras=extras, batch_size=batch_size, bucket=bucket,
-                  mesh=mesh, progress=progress, desc=task or "eval", stats=stats)
+                  mesh=mesh, progress=progress, desc=task or "eval", stats=counts)
+    start = time.perf_counter()
     if labels is not None:
-        labels = tuple(labels)
-        label_ids = check_label_words(labels, tokenizer, prefix=label_prefix)
-        unknown = sorted(set(gold_words) - set(labels))
-        if unknown:
-            raise LiniclError(f"evaluate: gold labels {unknown} are not among the label words {list(labels)}")
-        gold_idx = np.asarray([labels.index(w) for w in gold_words], np.int32)
-        gold_ids = label_ids[gold_idx]
-        rows = run_logprobs(model, variables, prompts, select=lambda lp: lp[:, label_ids], **common)
-        scores = np.stack(rows)
-        pick = np.argmax(scores, axis=-1)
-        pred_ids = label_ids[pick]
-        predictions = tuple(labels[i] for i in pick)
-        gold_lp = scores[np.arange(len(prompts)), gold_idx]
-        metric = "label"
+        scored = _score_labels(model, variables, tokenizer, prompts, gold_words, tuple(labels), label_prefix, common)
+    elif open_metric == "first_content_token":
+        scored = _score_first_content(model, variables, tokenizer, prompts, gold_words, label_prefix, common)
     else:
-        gold_ids = np.asarray([_first_token(tokenizer, label_prefix + w) for w in gold_words], np.int32)
-        rows = run_logprobs(model, variables, prompts, select=lambda lp: lp, **common)
-        lp = np.stack(rows)
-        pred_ids = np.argmax(lp, axis=-1).astype(np.int32)
-        predictions = tuple(tokenizer.decode([int(i)]) for i in pred_ids)
-        gold_lp = lp[np.arange(len(prompts)), gold_ids]
-        scores, label_ids, metric = None, None, "first_token"
-    correct = pred_ids == gold_ids
-    return EvalResult(task=task, k=k, seed=seed, metric=metric, accuracy=float(np.mean(correct)),
-                      n=len(prompts), predictions=predictions, labels=gold_words, correct=correct,
-                      pred_ids=np.asarray(pred_ids, np.int32), gold_ids=np.asarray(gold_ids, np.int32),
-                      gold_logprob=np.asarray(gold_lp), label_words=labels, label_ids=label_ids,
-                      label_scores=scores, seconds=stats["seconds"], n_tokens=stats["n_tokens"],
-                      n_padded_tokens=stats["n_padded_tokens"])
+        scored = _score_exact_match(model, variables, tokenizer, prompts, gold_words, label_prefix,
+                                    max_new_tokens, common)
+    correct = scored.pop("correct", None)
+    if correct is None:
+        correct = scored["pred_ids"] == scored["gold_ids"]
+    n_tokens = int(sum(len(p.tokens) for p in prompts))
+    return EvalResult(task=task, k=k, seed=seed, accuracy=float(np.mean(correct)), n=len(prompts),
+                      labels=gold_words, correct=np.asarray(correct, bool), seconds=time.perf_counter() - start,
+                      n_tokens=n_tokens, n_padded_tokens=counts.get("n_padded_tokens", 0), **scored)
 
 
 def evaluate(model, variables, tokenizer, task: Task, *, k: int, seed: int = 0, n_eval: Optional[int] = None,
              batch_size: int = 16, template: Optional[Template] = None, edits=None,
              forward: Optional[Callable] = None, extras=None, bucket: int | str = "geometric",
              add_bos: Optional[bool] = None, same_demos: bool = False, mesh=None,
-             progress: bool = True) -> EvalResult:
+             progress: bool = True, open_metric: str = "exact_match",
+             max_new_tokens: Optional[int] = None) -> EvalResult:
     """k-shot accuracy of a model on a task (k=0: zero-shot), deterministic in ``seed``.
 
     The prompts are ``build_eval_set(task, tokenizer, k=k, seed=seed, n_eval=n_eval, template=...)``:
     ``n_eval`` seeded test queries (all when None), each with its own ``k`` class-balanced
     demonstrations from ``task.train``. Classification tasks are scored by label-restricted argmax over
     ``task.labels`` (each must be one token with ``template.label_prefix``; a clear error otherwise),
-    open-ended tasks by first-token accuracy (module docstring). ``edits``, ``forward``, ``extras``
-    (one row per evaluated prompt, in the order of ``build_eval_set``): module docstring.
+    open-ended tasks by ``open_metric`` (module docstring). ``edits``, ``forward``, ``extras`` (one row
+    per evaluated prompt, in the order of ``build_eval_set``): module docstring.
     """
     template = template_for(task) if template is None else template
     if task.labels is not None:  # fail before building the prompts
@@ -273,7 +417,9 @@ def evaluate(model, variables, tokenizer, task: Task, *, k: int, seed: int = 0, 
     return evaluate_prompts(model, variables, tokenizer, prompts, labels=task.labels,
                             label_prefix=template.label_prefix, task=task.name, k=k, seed=seed,
                             batch_size=batch_size, bucket=bucket, edits=edits, forward=forward,
-                            extras=extras, mesh=mesh, progress=progress)
+                            extras=extras, mesh=mesh, progress=progress, open_metric=open_metric,
+                            max_new_tokens=max_new_tokens)
 
 
-__all__ = ["EvalResult", "evaluate", "evaluate_prompts", "label_logprobs", "run_logprobs"]
+__all__ = ["EvalResult", "evaluate", "evaluate_prompts", "label_logprobs", "run_logprobs", "greedy_answers",
+           "normalise_answer", "first_content_index"]

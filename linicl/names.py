@@ -53,6 +53,8 @@ APPROX_KERNELS = ("taylor2", "prf", "elu+1")  # iclca.convert_approx
 APPROX_FORMS = ("shared", "mix")
 EDIT_OPS = ("add", "scale", "replace", "fn")  # linicl.nn.hooks.Edit
 REFERENCES = ("query", "own")  # linicl.implicit: which token is run alone
+OPEN_METRICS = ("exact_match", "first_content_token")  # linicl.evaluate: open-ended answers
+EVAL_METRICS = ("label",) + OPEN_METRICS
 
 # ------------------------------------------------------------------------------ collections
 PARAMS = "params"

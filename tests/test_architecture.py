@@ -22,6 +22,7 @@ ROOT = pathlib.Path(linicl.__file__).parent
 RANKS = {
     "errors": 0, "names": 0,
     "_validate": 1, "metrics": 1, "timing": 1, "compiled": 1, "parallel": 1, "checkpoint": 1, "reporting": 1,
+    "stats": 1,
     "kernels": 1,
     "config": 2,  # ModelConfig.feature_dim asks the kernels
     "nn": 3,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from linicl.diagnostics import normalisers_from
 from linicl.iclca import nonnegative_z_bias
 from linicl.kernels import feature_maps
 from linicl.nn import Transformer
@@ -83,7 +84,8 @@ def test_denominators_are_the_models():
         attn = params[f"layers_{layer}"]["attn"]
         num = (np.einsum("bhtf,bhsf,hts,bhsd->bhtd", fq, fk, D, v)
                + np.einsum("bhtf,hfd->bhtd", fq, attn["S_bias"]) * (g[:, :, 0] ** (t + 1))[None, :, :, None])
-        den, bias_term = bt.denominator_values(cfg, params, acts, layer)
+        normaliser = normalisers_from(cfg, {"params": params}, acts)[layer]
+        den, bias_term = normaliser.value, normaliser.bias
         assert float(jnp.min(bias_term)) > 0
         o = num / (np.asarray(den) + cfg.attn_eps)[..., None]
         z = np.swapaxes(np.asarray(acts[f"blocks.{layer}.attn.hook_z"]), 1, 2)

@@ -165,18 +165,68 @@ def test_planted_model_accuracy_is_the_class_share(toy_model):
     assert list(res.label_ids) == [128, 129, 130]
 
 
-def test_open_ended_first_token_accuracy(toy_model):
-    """Open tasks: correct when the gold answer's first token is the argmax over the whole vocabulary.
-    A model that always says " yes" gets " yes" (twice) and " yesterday" (first token " yes") right:
-    first-token accuracy 3/7, an upper bound on exact match (2/7)."""
+def test_open_ended_exact_match_and_first_content_token(toy_model):
+    """A model that always says " yes" gets exactly the two " yes" answers right by exact match (the
+    greedy answer is " yes yes ..." cut at the line break: max_new_tokens=1 keeps one token), and
+    " yesterday" too by first content token, an upper bound (its first token is " yes")."""
     model, variables = toy_model
-    res = evaluate(model, planted(model, variables, 128), TOK, open_task(), k=1, progress=False)
-    assert res.metric == "first_token" and res.label_ids is None and res.label_scores is None
-    assert res.predictions == (" yes",) * 7
-    assert res.accuracy == pytest.approx(3 / 7)
-    assert sorted(w for w, c in zip(res.labels, res.correct) if c) == ["yes", "yes", "yesterday"]
-    assert np.all(res.gold_ids[res.correct] == 128)
-    json.dumps(res.to_dict())                                           # every number is JSON-ready
+    yes = planted(model, variables, 128)
+    res = evaluate(model, yes, TOK, open_task(), k=1, progress=False, max_new_tokens=1)
+    assert res.metric == "exact_match" and res.label_ids is None and res.label_scores is None
+    assert res.predictions == (" yes",) * 7 and res.accuracy == pytest.approx(2 / 7)
+    assert res.constant and res.distinct == 1 and res.entropy == 0.0
+    first = evaluate(model, yes, TOK, open_task(), k=1, progress=False, open_metric="first_content_token")
+    assert first.metric == "first_content_token" and first.accuracy == pytest.approx(3 / 7)
+    assert sorted(w for w, c in zip(first.labels, first.correct) if c) == ["yes", "yes", "yesterday"]
+    assert np.all(first.gold_ids[first.correct] == 128)
+    json.dumps(res.to_dict()), json.dumps(first.to_dict())              # every number is JSON-ready
+    with pytest.raises(LiniclError, match="open_metric"):
+        evaluate(model, yes, TOK, open_task(), k=1, progress=False, open_metric="first_token")
+
+
+def number_task() -> Task:
+    """Answers that this tokenizer spells as a blank then digits (" 5" -> [" ", "5"]): every gold
+    answer starts with the same token, the space."""
+    outs = ["5", "7", "12", "5", "30", "9"]
+    train = tuple(Example(f"n{i}", o) for i, o in enumerate(["1", "2", "3"]))
+    return Task("numbers", train, tuple(Example(f"m{i}", o) for i, o in enumerate(outs)), None)
+
+
+def test_a_model_that_emits_a_space_scores_nothing_on_space_prefixed_answers(toy_model):
+    """The trap of first-token accuracy: a model that always emits " " would score 6/6 on it. Exact
+    match and first-content-token accuracy both give 0, and the result flags the constant predictor."""
+    model, variables = toy_model
+    space = planted(model, variables, ord(" "))
+    assert all(TOK.encode(" " + a)[0] == ord(" ") for a in ("5", "12"))  # the premise of the test
+    for metric in ("exact_match", "first_content_token"):
+        res = evaluate(model, space, TOK, number_task(), k=1, progress=False, open_metric=metric)
+        assert res.accuracy == 0.0 and res.constant, (metric, res.predictions)
+    # Power: the first content token is the digit, so a model that says "5" gets the two fives.
+    five = evaluate(model, planted(model, variables, ord("5")), TOK, number_task(), k=1, progress=False,
+                    open_metric="first_content_token")
+    assert five.accuracy == pytest.approx(2 / 6)
+
+
+def test_exact_match_normalises_case_space_and_punctuation():
+    from linicl.evaluate import first_content_index, normalise_answer
+    assert normalise_answer("  Paris.\t") == normalise_answer("paris") == "paris"
+    assert normalise_answer("New   York") == "new york" and normalise_answer("Parisian") != "paris"
+    assert first_content_index(TOK, TOK.encode(" 12")) == 1 and first_content_index(TOK, TOK.encode(" yes")) == 0
+    with pytest.raises(LiniclError, match="no content"):
+        first_content_index(TOK, TOK.encode("  "))
+
+
+def test_classification_reports_majority_balanced_accuracy_and_interval(toy_model):
+    """A constant predictor of the majority class scores the majority rate in accuracy but only
+    1 / classes in balanced accuracy, and is flagged; the interval is Wilson's."""
+    model, variables = toy_model
+    res = evaluate(model, planted(model, variables, 128), TOK, toy_task(counts=(5, 3, 4)), k=2, progress=False)
+    assert res.accuracy == pytest.approx(5 / 12) == pytest.approx(res.majority)
+    assert res.balanced_accuracy == pytest.approx(1 / 3) and res.constant
+    iv = res.interval
+    assert iv.low < 5 / 12 < iv.high and (iv.low, iv.high) == pytest.approx((0.1933, 0.6805), abs=1e-4)
+    summary = res.summary()
+    assert summary["ci_low"] == iv.low and summary["constant"] is True and "CONSTANT" in res.describe()
 
 
 def test_evaluation_is_deterministic_in_the_seed(toy_model):
@@ -338,16 +388,17 @@ def smollm2():
 @pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"),
                     reason="LINICL_DATA_DIR is not set: the shared data folder is not available (CI sets it)")
 def test_smollm2_few_shot_beats_zero_shot(smollm2):
-    """Real ICL. Measured (16 queries, seeds 0 and 1, no BOS): present-past first-token accuracy 0.00
-    zero-shot (the model continues the Q/A format, not the task) and 1.00 with 4 demonstrations;
-    capitalize 0.06/0.00 -> 1.00/0.94; singular-plural 0.00/0.06 -> 0.75/0.81. The thresholds below
-    leave a margin of 4 queries on each side."""
+    """Real ICL, scored by exact match of the greedy answer. Measured (16 queries, seeds 0 and 1, no
+    BOS): present-past 0.00/0.00 zero-shot (the model continues the Q/A format, not the task) and
+    1.00/1.00 with 4 demonstrations; capitalize 0.12/0.06 -> 1.00/1.00; singular-plural 0.00/0.06 ->
+    0.75/0.75. The thresholds below leave a margin of 4 queries on each side."""
     model, variables, tok = smollm2
     task = data.load_task("present-past")
     common = dict(n_eval=16, seed=0, add_bos=False, bucket=48, progress=False)  # one compiled shape
     zero = evaluate(model, variables, tok, task, k=0, **common)
     four = evaluate(model, variables, tok, task, k=4, **common)
-    assert isinstance(four, EvalResult) and four.metric == "first_token" and four.n == 16
+    assert isinstance(four, EvalResult) and four.metric == "exact_match" and four.n == 16
     assert zero.accuracy <= 0.25 and four.accuracy >= 0.75, (zero.accuracy, four.accuracy)
-    assert four.tokens_per_s > 0 and four.n_padded_tokens == 16 * 48
+    # Every decoding step is one batch of 16 rows at the one bucket of 48 positions.
+    assert four.tokens_per_s > 0 and four.n_padded_tokens % (16 * 48) == 0 and four.n_padded_tokens > 0
 

@@ -49,7 +49,7 @@ def test_quick_mode_writes_json_and_plot(tmp_path):
         assert r["n"] == 8 and len(r["correct"]) == 8 and r["seed"] == 0
         assert r["accuracy"] == pytest.approx(sum(r["correct"]) / 8)
         assert r["seconds"] > 0 and r["n_tokens"] > 0 and r["n_padded_tokens"] >= r["n_tokens"]
-        assert r["metric"] == ("label" if task == "sst2" else "first_token")
+        assert r["metric"] == ("label" if task == "sst2" else "exact_match")
     assert rows["sst2", 0]["chance"] == 0.5 and rows["antonym", 0]["chance"] is None
     # Real behaviour: measured 0.88 at k = 0 and 1 on these 8 sst2 queries; 0.5 is chance.
     assert rows["sst2", 0]["accuracy"] >= 0.5 and rows["sst2", 1]["accuracy"] >= 0.5

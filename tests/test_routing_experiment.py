@@ -68,7 +68,7 @@ def test_quick_run_writes_json_and_plot(tmp_path):
     assert record["timings"]["total_s"] >= record["timings"]["eval_s"] + record["timings"]["training_s"]
     assert "**collapses**" in run.stdout and "**collapses**" in (tmp_path / "routing.md").read_text()
     assert (tmp_path / "routing.png").stat().st_size > 0 and (tmp_path / "pids.npz").exists()
-    for name in ("router.msgpack", "router_random_basis.msgpack", "ckpt/router.msgpack", "progress.json"):
+    for name in ("router.safetensors", "router_random_basis.safetensors", "ckpt/router.safetensors", "progress.json"):
         assert (tmp_path / name).exists(), name
     # A resumed run reuses everything (PIDs, routers, finished tasks) and reports the same numbers.
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=1800)

@@ -12,10 +12,7 @@ Writes ``OUT/iclca_speed.json`` (every number) and ``OUT/iclca_speed.png``. Timi
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import sys
 
 import jax
@@ -23,7 +20,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 import linicl
-from linicl import iclca
+from linicl import iclca, reporting
 from linicl.kernels import feature_maps
 from linicl.kernels.linear_attention import choose_form, linear_attention, zero_state
 from linicl.timing import time_call
@@ -75,11 +72,8 @@ def bench_kernels(lengths, max_quadratic: int, seed: int, repeats: int) -> list[
     return rows
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def figure(plt, report: dict):
+    """Conversion and forward times against the prompt length; kernel forms' tokens/s against T."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     conv = report["conversion"]
     n = [r["prompt_len"] for r in conv]
@@ -95,15 +89,14 @@ def plot(report: dict, path: str) -> None:
     b.set(xlabel="sequence length T", ylabel="tokens / s", title="linear attention kernel forms")
     b.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="results/benchmarks", help="results folder")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = reporting.argument_parser(__doc__)
+    reporting.add_common_args(parser, out="results/benchmarks", quick="short sequences only (CI)",
+                              seed="weights, prompts and queries", progress=False)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median)")
-    parser.add_argument("--quick", action="store_true", help="short sequences only (CI)")
     args = parser.parse_args(argv)
 
     if args.quick:
@@ -111,16 +104,10 @@ def main(argv=None) -> int:
     else:
         prompt_lengths = [256, 512, 1024, 2048, 4096, 8192, 16384]
         kernel_lengths, max_quadratic = [256, 512, 1024, 2048, 4096, 8192, 16384], 8192
-    report = dict(machine=dict(platform=platform.platform(), jax=jax.__version__,
-                               devices=str(jax.devices()), cpu_count=os.cpu_count()),
-                  query_len=QUERY_LEN, quick=args.quick,
+    report = dict(machine=reporting.machine_info(), query_len=QUERY_LEN, quick=args.quick,
                   conversion=bench_conversion(prompt_lengths, args.seed, args.repeats),
                   kernels=bench_kernels(kernel_lengths, max_quadratic, args.seed, args.repeats))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "iclca_speed.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    plot(report, os.path.join(args.out, "iclca_speed.png"))
-
+    reporting.write_json(os.path.join(args.out, "iclca_speed.json"), report)
     print(f"{'n':>6s} {'convert ms':>11s} {'prompt fwd ms':>13s} {'prompted ms':>12s} {'converted ms':>12s} "
           f"{'speed-up':>9s} {'convert/fwd':>11s}")
     for r in report["conversion"]:
@@ -132,7 +119,8 @@ def main(argv=None) -> int:
     for r in report["kernels"]:
         cells = " ".join(f"{r.get(f + '_tokens_per_s', float('nan')):16.3g}" for f in ("parallel", "chunked", "recurrent", "auto"))
         print(f"{r['seq_len']:6d} {r['auto_form']:>10s} {cells} {r.get('auto_over_parallel', float('nan')):12.1f}x")
-    print(f"\nwrote {args.out}/iclca_speed.json and iclca_speed.png")
+    png = reporting.plot(os.path.join(args.out, "iclca_speed.png"), figure, report, dpi=120)
+    print(f"\nwrote {args.out}/iclca_speed.json" + (" and iclca_speed.png" if png else ""))
     return 0
 
 

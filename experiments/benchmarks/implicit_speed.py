@@ -18,11 +18,9 @@ Writes ``OUT/implicit_speed.json`` and ``OUT/implicit_speed.png``. The reference
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,7 +31,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 import linicl
-from linicl import implicit
+from linicl import implicit, reporting
 from linicl.data import regression
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
@@ -120,10 +118,8 @@ def bench_end_to_end(quick: bool, seed: int, out: str) -> list[dict]:
     return rows
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def figure(plt, report: dict):
+    """Each operator's time over one forward pass, per model."""
     import numpy as np
 
     ops = report["operators"]
@@ -137,30 +133,24 @@ def plot(report: dict, path: str) -> None:
     ax.set(ylabel="time / one forward pass", title="every block, every position, a batch of tasks")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="results/benchmarks", help="results folder")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = reporting.argument_parser(__doc__)
+    reporting.add_common_args(parser, out="results/benchmarks", seed="weights and inputs", progress=False,
+                              quick="the Fig. 1 model without LN only; quick end-to-end run (CI)")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (median)")
-    parser.add_argument("--quick", action="store_true", help="the Fig. 1 model without LN only; quick end-to-end run (CI)")
     parser.add_argument("--no-end-to-end", action="store_true")
     args = parser.parse_args(argv)
 
     names = ["fig1-no-ln"] if args.quick else ["fig1-no-ln", "fig1-pre-ln", "pre-ln-d64"]
-    os.makedirs(args.out, exist_ok=True)
-    report = dict(machine=dict(platform=platform.platform(), jax=jax.__version__, devices=str(jax.devices()),
-                               cpu_count=os.cpu_count(), load_average=os.getloadavg()),
-                  quick=args.quick, reference_code=REFERENCE, operators=bench_operators(names, args.seed, args.repeats))
+    report = dict(machine=dict(reporting.machine_info(), load_average=reporting.load_average()), quick=args.quick,
+                  reference_code=REFERENCE, operators=bench_operators(names, args.seed, args.repeats))
     if not args.no_end_to_end:
         report["end_to_end"] = bench_end_to_end(args.quick, args.seed, os.path.join(args.out, "implicit_e2e"))
-    report["machine"]["load_average_after"] = os.getloadavg()
-    with open(os.path.join(args.out, "implicit_speed.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    plot(report, os.path.join(args.out, "implicit_speed.png"))
+    report["machine"]["load_average_after"] = reporting.load_average()
+    reporting.write_json(os.path.join(args.out, "implicit_speed.json"), report)
 
     print(f"{'model':>12s} {'forward ms':>10s} {'query':>7s} {'+dense':>7s} {'own':>7s} {'fwd tok/s':>10s} "
           f"{'query tok/s':>11s} {'fwd MB':>7s} {'query MB':>8s}")
@@ -173,7 +163,8 @@ def main(argv=None) -> int:
         print(f"end to end ({r['ln']}-LN{', quick' if r['quick'] else ''}): {r['wall_s']:.1f} s wall, "
               f"{r['cpu_s']:.1f} s CPU, peak RSS {r['peak_rss_mb']:.0f} MB")
     print(f"load average before / after: {report['machine']['load_average']} / {report['machine']['load_average_after']}")
-    print(f"\nwrote {args.out}/implicit_speed.json and implicit_speed.png")
+    png = reporting.plot(os.path.join(args.out, "implicit_speed.png"), figure, report)
+    print(f"\nwrote {args.out}/implicit_speed.json" + (" and implicit_speed.png" if png else ""))
     return 0
 
 

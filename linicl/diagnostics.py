@@ -1,0 +1,126 @@
+"""Diagnostics of a normalised linear-attention model: the normalisers it divides by.
+
+A normalised linear attention (``ModelConfig.normalize=True``) outputs, per head and position t,
+
+    o_t = phi(q_t)^T S_t / (phi(q_t) . z_t + attn_eps),
+    z_t = gamma^(t+1) (z_bias + z_prompt) + sum_{i<=t} gamma^(t-i) phi(k_i),
+
+with the unrotated features phi (rope rotates the numerator's only), the trainable bias ``z_bias``
+(``cfg.trainable_bias``) and the stored state ``z_prompt`` (a converted prompt's, ``names.PROMPT_STATE``, or
+during a decode the running one, ``names.DECODE``, which superseded it); gamma is the head's decay (1
+without). ``normalisers`` returns the denominator phi(q_t) . z_t of every layer
+before the epsilon, split into the parts that come from the bias and from the prompt: a normaliser near
+zero (or below, with a free ``z_bias``) is where the output blows up.
+
+It is computed from the model's own activations (``hook_q``, ``hook_k``) and variables, so
+``normalisers_from`` also works inside a training step that captures those sites anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from linicl import names
+from linicl.config import ModelConfig
+from linicl.errors import LiniclError
+from linicl.interventions import capture
+from linicl.kernels import feature_maps
+from linicl.kernels.softmax_attention import repeat_kv
+from linicl.nn.transformer import config_of
+
+
+class Normaliser(NamedTuple):
+    """One layer's normaliser, each part ``f[batch, heads, seq]``."""
+
+    value: jax.Array   # phi(q_t) . z_t: what the model divides by, before adding cfg.attn_eps
+    bias: jax.Array    # the part phi(q_t) . gamma^(t+1) z_bias (zero without a trainable bias)
+    prompt: jax.Array  # the part phi(q_t) . gamma^(t+1) z_prompt (zero without a stored state)
+
+
+def normaliser_sites(cfg: ModelConfig) -> tuple[str, ...]:
+    """The sites ``normalisers_from`` reads: every layer's ``hook_q`` and ``hook_k``."""
+    return tuple(names.block_site(layer, hook) for layer in range(cfg.n_layers) for hook in ("hook_q", "hook_k"))
+
+
+def _check(cfg: ModelConfig) -> None:
+    if cfg.attention != "linear" or not cfg.normalize:
+        raise LiniclError(f"normalisers: the model must be a normalised linear attention (attention='linear', "
+                          f"normalize=True); it has attention={cfg.attention!r}, normalize={cfg.normalize}")
+
+
+def _decay(cfg: ModelConfig, T: int, dtype):
+    """``(D: f[heads, T, T], age: f[heads, T])``: D[h, t, i] = gamma_h^(t-i) for i <= t (else 0) and
+    age[h, t] = gamma_h^(t+1), the decay of the initial state at position t."""
+    t = jnp.arange(T)
+    diff = t[:, None] - t[None, :]
+    gammas = cfg.decay_per_head()
+    if gammas is None:
+        return jnp.broadcast_to((diff >= 0).astype(dtype), (cfg.n_heads, T, T)), jnp.ones((cfg.n_heads, T), dtype)
+    g = jnp.asarray(gammas, dtype)[:, None, None]
+    return jnp.where(diff >= 0, g ** jnp.maximum(diff, 0), 0.0), g[:, :, 0] ** (t + 1)[None]
+
+
+def _initial_part(q: jax.Array, z0: Optional[jax.Array], age: jax.Array) -> jax.Array:
+    """phi(q_t) . gamma^(t+1) z0, ``f[batch, heads, seq]``; zero when ``z0`` is None. ``z0``: ``[heads,
+    F]`` (a bias) or ``[batch or 1, heads, F]`` (a stored prompt)."""
+    if z0 is None:
+        return jnp.zeros(q.shape[:3], q.dtype)
+    z0 = z0.astype(q.dtype)
+    if z0.ndim == 2:
+        return jnp.einsum("bhtf,hf->bht", q, z0) * age[None]
+    z0 = jnp.broadcast_to(z0, (q.shape[0],) + z0.shape[1:])
+    return jnp.einsum("bhtf,bhf->bht", q, z0) * age[None]
+
+
+def _layer_entry(variables: Mapping, collection: str, layer: int, name: str):
+    """``variables[collection]["layers_<layer>"]["attn"][name]``, or None."""
+    return variables.get(collection, {}).get(names.layer_scope(layer), {}).get("attn", {}).get(name)
+
+
+def normalisers_from(cfg: ModelConfig, variables: Mapping, acts: Mapping[str, jax.Array],
+                     layers: Optional[Sequence[int]] = None) -> list[Normaliser]:
+    """The normalisers of ``layers`` (default: all, in order) from captured activations.
+
+    Args:
+      cfg: the model's config (a normalised linear attention).
+      variables: the variables of the call that produced ``acts``: ``params`` (for ``z_bias``) and
+        the stored state, if any (``names.PROMPT_STATE`` or ``names.DECODE``).
+      acts: ``{site: activation}`` holding at least ``normaliser_sites(cfg)`` of those layers
+        (``linicl.interventions.capture``), each ``f[batch, seq, heads or kv_heads, d_head]``.
+    Returns:
+      One ``Normaliser`` per layer.
+    """
+    _check(cfg)
+    layers = range(cfg.n_layers) if layers is None else layers
+    missing = [n for layer in layers for n in (names.block_site(layer, "hook_q"), names.block_site(layer, "hook_k"))
+               if n not in acts]
+    if missing:
+        raise LiniclError(f"normalisers_from: acts lack {missing}; capture normaliser_sites(cfg)")
+    phi = feature_maps.get(cfg.feature_map)
+    out = []
+    for layer in layers:
+        # [batch, seq, heads, d] -> [batch, heads, seq, F]: the unrotated features, as in the normaliser
+        q = phi(jnp.swapaxes(acts[names.block_site(layer, "hook_q")], 1, 2))
+        k = repeat_kv(phi(jnp.swapaxes(acts[names.block_site(layer, "hook_k")], 1, 2)), cfg.n_heads)
+        D, age = _decay(cfg, q.shape[2], q.dtype)
+        keys = jnp.einsum("bhts,hts->bht", jnp.einsum("bhtf,bhsf->bhts", q, k), D)  # the call's own keys
+        bias = _initial_part(q, _layer_entry(variables, names.PARAMS, layer, "z_bias"), age)
+        stored = _layer_entry(variables, names.DECODE, layer, "z")  # a decode supersedes the prompt's state
+        if stored is None:
+            stored = _layer_entry(variables, names.PROMPT_STATE, layer, "z")
+        prompt = _initial_part(q, stored, age)
+        out.append(Normaliser(keys + bias + prompt, bias, prompt))
+    return out
+
+
+def normalisers(model, variables: Mapping, tokens) -> list[Normaliser]:
+    """The normaliser phi(q_t) . z_t of every layer of a normalised linear-attention model on ``tokens``
+    (``int[batch, seq]``), bias and stored prompt included: one ``Normaliser`` per layer, each part
+    ``f[batch, heads, seq]``. The model divides by ``value + cfg.attn_eps``."""
+    cfg = config_of(model)
+    _check(cfg)
+    _, acts = capture(model, variables, tokens, names=normaliser_sites(cfg))
+    return normalisers_from(cfg, variables, acts)

@@ -1,0 +1,45 @@
+"""What a stored prompt costs in memory: the floats a converted model holds for it.
+
+A prompt stored by ``linicl.iclca.convert`` (exact, linear attention) or ``convert_approx`` (kernel
+approximation, softmax attention) lives in the collections ``linicl.names.PROMPT_COLLECTIONS`` of the
+variables dict; ``params`` are the model's and are not counted. ``iclca.state_floats(cfg)`` is the
+exact conversion's count from the config alone; ``prompt_floats`` counts what a given variables dict
+actually holds, for any conversion.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linicl import names
+
+# The PromptApprox field holding the seeded positive-random-feature projections ("prf" kernel).
+_PROJECTIONS = "W"
+
+
+def prompt_floats(variables: Mapping, *, projections: bool = True) -> int:
+    """The number of floats stored for a prompt: every floating-point leaf of the prompt collections
+    (``names.PROMPT_COLLECTIONS``: exact states S, z; approximate bias terms B, b; exact sink keys and
+    values), for every row of a batch of prompts. Integer leaves (positions, offsets) are not floats.
+
+    Args:
+      variables: a variables dict (0 when it holds no prompt).
+      projections: count the random projections ``W`` of a ``"prf"`` approximation. They are drawn
+        from the conversion's seed, so ``projections=False`` counts only what could not be re-drawn.
+    """
+    if not isinstance(variables, Mapping):
+        raise TypeError(f"prompt_floats: variables must be a variables dict, got {type(variables).__name__}")
+    total = 0
+    for collection in names.PROMPT_COLLECTIONS:
+        leaves, _ = jax.tree_util.tree_flatten_with_path(variables.get(collection, {}))
+        for path, leaf in leaves:
+            if not projections and path and getattr(path[-1], "name", None) == _PROJECTIONS:
+                continue
+            dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+            if jnp.issubdtype(dtype, jnp.floating):  # bfloat16 too
+                total += int(np.size(leaf))
+    return total

@@ -1,0 +1,152 @@
+"""What every experiment and benchmark script does besides its experiment: shared flags, a record of
+the machine, JSON results, Markdown tables and optional plots.
+
+A script reads::
+
+    parser = reporting.argument_parser(__doc__)
+    reporting.add_common_args(parser, out="results/mine", quick="CI: a tiny run", seed="data and init")
+    args = parser.parse_args(argv)
+    ...
+    report = dict(machine=reporting.machine_info(), results=...)
+    reporting.write_json(os.path.join(args.out, "mine.json"), report)
+    print(reporting.markdown_table(["task", "accuracy"], rows))       # the table before any plot
+    reporting.plot(os.path.join(args.out, "mine.png"), draw, report)  # draw(plt, report) -> figure
+
+Plots are optional (``pip install 'linicl[plots]'``): without matplotlib ``plot`` prints one line, once
+per process, and returns None, so a script never fails after its numbers are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'linicl[plots]')"
+_said_skipped = False  # the line above is printed once per process, however many plots are skipped
+
+
+# ------------------------------------------------------------------------------ arguments
+def argument_parser(doc: Optional[str]) -> argparse.ArgumentParser:
+    """A parser whose ``--help`` shows the script's docstring ``doc`` as written."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, out: str, quick: str, seed: Optional[str] = None,
+                    progress: bool = True, data_dir: bool = False, plots: bool = False) -> argparse.ArgumentParser:
+    """Add the flags the scripts share; returns ``parser``.
+
+    Args:
+      out: the default of ``--out``, the results folder (``args.out``).
+      quick: the help of ``--quick`` (``args.quick``), which says what the CI-sized run does.
+      seed: the help of ``--seed`` (``args.seed``, an int, default 0), which says what it seeds; None:
+        no ``--seed`` (a script with several seeds has its own ``--seeds``).
+      progress: add ``--no-progress``, which sets ``args.progress`` to False (progress bars off).
+      data_dir: add ``--data-dir`` (``args.data_dir``, default None: ``$LINICL_DATA_DIR``).
+      plots: add ``--no-plots``, which sets ``args.plots`` to False (the JSON only).
+    """
+    parser.add_argument("--out", default=out, help=f"results folder (default {out})")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    if seed is not None:
+        parser.add_argument("--seed", type=int, default=0, help=seed)
+    if progress:
+        parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    if data_dir:
+        parser.add_argument("--data-dir", default=None, help="data directory (default $LINICL_DATA_DIR)")
+    if plots:
+        parser.add_argument("--no-plots", dest="plots", action="store_false", help="write no plots")
+    return parser
+
+
+# ------------------------------------------------------------------------------ the machine
+def load_average() -> list:
+    """The 1, 5 and 15 minute load averages, rounded to 0.01 (empty where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def machine_info() -> dict:
+    """Where the numbers were measured: ``platform``, ``processor``, ``python``, ``jax``, ``devices``
+    (``str(jax.devices())``), ``cpu_count`` and ``xla_flags`` (``$XLA_FLAGS``)."""
+    import jax  # here, not at import: a script may set jax options before the backend starts
+
+    return dict(platform=platform.platform(), processor=platform.processor(),
+                python=platform.python_version(), jax=jax.__version__, devices=str(jax.devices()),
+                cpu_count=os.cpu_count(), xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+# ------------------------------------------------------------------------------ results
+def _plain(x: Any) -> Any:
+    """``json.dump``'s fallback: NumPy and JAX scalars and arrays as numbers and lists, paths as
+    strings. Anything else raises TypeError naming its type."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if hasattr(x, "__array__") and hasattr(x, "dtype"):  # a jax.Array, without importing jax
+        return np.asarray(x).tolist()
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    raise TypeError(f"write_json: a {type(x).__name__} is not JSON serialisable")
+
+
+def write_json(path, obj: Any, *, indent: Optional[int] = 1) -> Path:
+    """Write ``obj`` as JSON to ``path`` (NumPy/JAX values converted), creating its folder. The file is
+    replaced atomically: an interrupted write leaves the previous file, never half of a new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=indent, default=_plain)
+    os.replace(tmp, path)
+    return path
+
+
+def markdown_table(header: Sequence[Any], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table: ``| a | b |``, ``|---|---|``, then one line per row. An empty cell is
+    written ``| |``."""
+    def line(cells) -> str:
+        return "|" + "".join(f" {c} |" if str(c) else " |" for c in cells)
+
+    return "\n".join([line(header), "|" + "---|" * len(header)] + [line(r) for r in rows])
+
+
+# ------------------------------------------------------------------------------ plots
+def _pyplot():
+    """matplotlib.pyplot (the Agg backend unless pyplot was already in use), or None."""
+    try:
+        import matplotlib
+        if "matplotlib.pyplot" not in sys.modules:  # files only: no window, no display needed
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot(path, draw: Callable, *args, dpi: int = 110) -> Optional[Path]:
+    """Save the figure ``draw(plt, *args)`` returns as ``path`` (a PNG) and close it; returns the
+    path. Without matplotlib: prints ``PLOTS_SKIPPED`` (once per process) and returns None."""
+    global _said_skipped
+    plt = _pyplot()
+    if plt is None:
+        if not _said_skipped:
+            print(PLOTS_SKIPPED, flush=True)
+            _said_skipped = True
+        return None
+    fig = draw(plt, *args)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+    return path
