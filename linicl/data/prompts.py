@@ -160,7 +160,14 @@ TEMPLATES: dict[str, Template] = {
 
 
 def template_for(task: Task) -> Template:
-    """The task's default template (``TEMPLATES[task.template]``)."""
+    """The task's default template: the one its spec writes out (``task.template_fields``), else
+    ``TEMPLATES[task.template]``."""
+    if task.template_fields:
+        try:
+            return Template(**dict(task.template_fields))
+        except TypeError as e:  # a field name Template does not have
+            raise LiniclError(f"task {task.name!r}: template fields {dict(task.template_fields)} do not "
+                              f"make a Template ({e})") from None
     if task.template not in TEMPLATES:
         raise LiniclError(f"task {task.name!r} names template {task.template!r}, not one of "
                           f"{sorted(TEMPLATES)}")

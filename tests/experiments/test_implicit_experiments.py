@@ -2,11 +2,11 @@
 
 import json
 import math
-import pathlib
 import subprocess
 import sys
+from helpers import REPO
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = REPO
 SCRIPTS = ROOT / "experiments"
 
 

@@ -5,7 +5,6 @@ one-device no-op is checked here."""
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -15,8 +14,9 @@ import numpy as np
 
 from linicl.batching import pad_rows, round_up, run_sharded
 from linicl.parallel import device_mesh, replicate, shard_batch
+from helpers import REPO
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = REPO
 
 SCRIPT = textwrap.dedent("""
     import json, sys

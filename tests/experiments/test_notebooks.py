@@ -1,12 +1,12 @@
 """Every notebook in notebooks/ runs top to bottom without an error (outputs are not committed)."""
 
-import pathlib
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from helpers import REPO
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])

@@ -4,7 +4,6 @@ compilation, activation collection; one real-model check (SmolLM2 zero- vs 4-sho
 
 import json
 import os
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +20,9 @@ from linicl.batching import bucket_length, last_token_logits
 from linicl.evaluate import EvalResult, evaluate, evaluate_prompts, label_logprobs
 from linicl.interventions import add, at_last, replace, run_with_cache, with_edits
 from linicl.activations import collect_activations
+from helpers import FIXTURES
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = FIXTURES
 
 
 class ToyTokenizer:

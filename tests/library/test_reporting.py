@@ -3,7 +3,6 @@ experiment scripts."""
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 from linicl import reporting
+from helpers import REPO
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_plot_without_matplotlib_prints_one_line_and_returns_none(tmp_path, caps
 def test_a_script_without_matplotlib_writes_its_json_and_says_so(tmp_path):
     """experiments/implicit_dherin.py --quick in an interpreter without matplotlib: exit 0, the JSON, the
     table, and the one line instead of the plot."""
-    script = pathlib.Path(__file__).parent.parent / "experiments" / "implicit_dherin.py"
+    script = REPO / "experiments" / "implicit_dherin.py"
     code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
             f"sys.argv = [{str(script)!r}, '--quick', '--no-progress', '--out', {str(tmp_path)!r}]; "
             f"runpy.run_path({str(script)!r}, run_name='__main__')")

@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -10,8 +9,9 @@ import pytest
 
 import linicl.lm
 from linicl.errors import DataError, LiniclError
+from helpers import FIXTURES
 
-HF = Path(__file__).parent / "fixtures" / "hf"
+HF = FIXTURES
 GPT2, LLAMA, GGUF = HF / "gpt2-tiny", HF / "llama-tiny", HF / "llama-tiny.gguf"
 
 

@@ -4,7 +4,6 @@ reports are the model's, and the quick mode writes finite numbers and a plot."""
 
 import importlib.util
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -18,8 +17,9 @@ from linicl.diagnostics import normalisers_from
 from linicl.iclca import nonnegative_z_bias
 from linicl.kernels import feature_maps
 from linicl.nn import Transformer
+from helpers import REPO
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = REPO
 SCRIPT = ROOT / "experiments" / "bias_training.py"
 
 _spec = importlib.util.spec_from_file_location("bias_training", SCRIPT)

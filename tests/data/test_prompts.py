@@ -2,7 +2,6 @@
 determinism), label-word checks, right padding, evaluation sets. Toy tokenizers only."""
 
 import collections
-import os
 import re
 
 import numpy as np
@@ -14,6 +13,7 @@ from linicl.data import (BOS, DEMO_INPUT, DEMO_LABEL, INSTRUCTION, PAD, QUERY, S
                          Role, Task, Template, batch_prompts, build_eval_set, build_prompt, check_label_words,
                          load_task, sample_demos, template_for, tokenization_mismatch)
 from linicl.errors import LiniclError
+from test_data import shared_dir  # noqa: F401  (a fixture: $LINICL_DATA_DIR, or the fetched cache)
 
 
 class CharTokenizer:
@@ -312,12 +312,8 @@ def test_build_eval_set():
 
 
 @pytest.mark.parametrize("name", ["sst2", "trec", "agnews", "cb", "commonsense_qa", "antonym"])
-def test_eval_sets_on_shared_folder(name):
-    data_dir = os.environ.get("LINICL_DATA_DIR")
-    if not data_dir:
-        pytest.skip("LINICL_DATA_DIR is not set: the shared data folder is not available (CI sets "
-                    "LINICL_DATA_DIR=../shared/data)")
-    task, tok = load_task(name, data_dir), CharTokenizer()
+def test_eval_sets_on_shared_folder(name, shared_dir):  # noqa: F811
+    task, tok = load_task(name, shared_dir), CharTokenizer()
     k = len(task.labels) if task.labels else 4
     prompts = build_eval_set(task, tok, k=k, seed=0, n_eval=8)
     template = template_for(task)

@@ -19,8 +19,9 @@ import pytest
 from linicl.errors import LiniclError
 from linicl.lm import gguf as G
 from linicl.lm import permute_qk, read_gguf, smollm2_gguf_path, unpermute_qk
+from helpers import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = FIXTURES
 TINY_GGUF = FIXTURES / "llama-tiny.gguf"
 TINY_HF = FIXTURES / "llama-tiny"
 

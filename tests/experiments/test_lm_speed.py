@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO, FIXTURES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 SCRIPT = ROOT / "experiments" / "benchmarks" / "lm_speed.py"
-TINY_GGUF = Path(__file__).parent / "fixtures" / "hf" / "llama-tiny.gguf"
+TINY_GGUF = FIXTURES / "llama-tiny.gguf"
 
 
 def _has(*modules) -> bool:

@@ -27,8 +27,9 @@ import pytest
 from linicl.errors import LiniclError
 from linicl.lm import Tokenizer, load_tokenizer_dir, read_gguf, smollm2_gguf_path
 from linicl.lm.gguf import SMOLLM2_ENV
+from helpers import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = FIXTURES
 GPT2_TINY = FIXTURES / "gpt2-tiny"
 TINY_GGUF = FIXTURES / "llama-tiny.gguf"
 

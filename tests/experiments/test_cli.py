@@ -2,7 +2,6 @@
 example does what it says."""
 
 import json
-import pathlib
 import re
 import subprocess
 import sys
@@ -12,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from linicl import cli
+from helpers import REPO
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = REPO
 
 
 def test_verify_quick_covers_the_zoo_and_passes(tmp_path, capsys):

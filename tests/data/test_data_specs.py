@@ -1,0 +1,344 @@
+"""Tasks are data: the shipped specs reproduce the loader that came before them exactly, a new data set
+in a known layout needs only a spec file, and malformed specs name the file and the key."""
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from test_data import shared_dir, write_tiny  # noqa: F401  (shared_dir is a fixture)
+
+from linicl.data import (LABEL_WORDS, TEMPLATES, DataError, Example, Template, build_eval_set, list_tasks,
+                         load_task, template_for)
+from linicl.data import datasets as ds
+from linicl.data import specs
+from linicl.errors import LiniclError
+
+ROOT = Path(specs.__file__).parents[2]  # the checkout (wherever this test file sits)
+
+
+def fingerprint(task) -> tuple:
+    """(hash of the name, labels, template and every example with its fields, n_train, n_test)."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps([task.name, task.labels, task.template]).encode())
+    for part in (task.train, task.test):
+        digest.update(b"\x01")
+        for e in part:
+            digest.update(json.dumps([e.input, e.output, e.fields]).encode())
+    return digest.hexdigest()[:16], len(task.train), len(task.test)
+
+
+# Computed with the loader before specs existed (hard-coded parsing tables), on the shared data folder
+# and on test_data's tiny copy: the spec-driven loader must give the very same tasks.
+# Key: task name, or "name/arguments" for load_task(name, **arguments).
+BEFORE_SHARED = {
+    "agnews": ("d6aaf09f168a2847", 6600, 1000),
+    "antonym": ("2bcd5c589a1b2d91", 1679, 719),
+    "capitalize": ("042a2d1759ee5c7b", 569, 244),
+    "cb": ("103248d9f7da123d", 250, 56),
+    "commonsense_qa": ("1a70b7703d5763e6", 7673, 3289),
+    "country-capital": ("0b148d3d501e9f08", 138, 59),
+    "country-currency": ("227a5a40ea962aae", 138, 59),
+    "english-french": ("6154bec1b67f675f", 3289, 1409),
+    "english-spanish": ("cde72c5daf120897", 3639, 1560),
+    "landmark-country": ("727975a0cb5d3e0d", 585, 251),
+    "national_parks": ("69c3194b85b4cde8", 316, 135),
+    "next_item": ("5cd0a16616b5bccb", 157, 68),
+    "person-instrument": ("2d7d93566b643818", 357, 153),
+    "person-occupation": ("4379c4cad8c44ff1", 575, 246),
+    "present-past": ("65950799ccd26497", 205, 88),
+    "prev_item": ("af48136b7d5e16e9", 157, 68),
+    "sentiment": ("883f3fc096e198c7", 817, 350),
+    "singular-plural": ("f16ed21bcc045feb", 143, 62),
+    "sst2": ("a50e59eb2f258b89", 6920, 1821),
+    "synonym": ("d0e5364e3e5da967", 2016, 864),
+    "trec": ("30039dcb6ffc5ede", 5452, 500),
+    "agnews/test_size=500,split_seed=3": ("28dd0cc8047fcfed", 7100, 500),
+    "antonym/test_size=0.5,split_seed=1": ("fc38c1c95e090172", 1199, 1199),
+    "sentiment/split_seed=2": ("0e65b73f8c8b2ed8", 817, 350),
+    "trec/label_words=TREC_LABEL_WORDS_PAPER": ("553722eee55b2d5c", 5452, 500),
+    "cb/label_words=CB_LABEL_WORDS_ABC": ("fe66b3e5ffb0f609", 250, 56),
+}
+BEFORE_TINY = {
+    "antonym": ("7cc031c4fb22d878", 7, 3),
+    "cb": ("152538599d73d9a2", 4, 1),
+    "commonsense_qa": ("2baf21cce8decb4e", 14, 6),
+    "sst2": ("f5a40648460e6a1e", 4, 2),
+    "trec": ("54a420f9e9a37d9f", 4, 2),
+    "agnews/test_size=2,split_seed=1": ("9d0d22203fd10db4", 4, 2),
+    "commonsense_qa/test_size=5": ("c7549cfc66e6d6f0", 15, 5),
+    "trec/label_words=TREC_LABEL_WORDS_PAPER": ("9291b8e0a3009790", 4, 2),
+}
+
+
+def _load(key: str, root: Path):
+    name, _, args = key.partition("/")
+    kwargs = {}
+    for item in filter(None, args.split(",")):
+        arg, _, value = item.partition("=")
+        kwargs[arg] = getattr(ds, value) if value.isupper() else json.loads(value)
+    return load_task(name, root, **kwargs)
+
+
+@pytest.mark.parametrize("key", BEFORE_SHARED)
+def test_shared_tasks_are_exactly_what_the_old_loader_gave(shared_dir, key):  # noqa: F811
+    assert fingerprint(_load(key, shared_dir)) == BEFORE_SHARED[key]
+
+
+def test_tiny_tasks_are_exactly_what_the_old_loader_gave(tmp_path):
+    root = write_tiny(tmp_path / "data")
+    assert {key: fingerprint(_load(key, root)) for key in BEFORE_TINY} == BEFORE_TINY
+
+
+# ----------------------------------------------------------------------------- the shipped specs
+
+def test_shipped_specs_cover_every_task_and_are_complete():
+    shipped = specs.all_specs(None)
+    assert sorted(shipped) == sorted(BEFORE_SHARED.keys() - {k for k in BEFORE_SHARED if "/" in k})
+    for name, spec in shipped.items():
+        assert spec.origin == specs.SHIPPED_DIR / f"{name}.json"
+        assert spec.template in TEMPLATES and not spec.template_fields
+        assert spec.licence != "unknown" and spec.source.startswith("https://github.com/")
+        for f in spec.all_files():
+            assert f.url.startswith("https://raw.githubusercontent.com/") and len(f.sha256) == 64 and f.size
+        if name in LABEL_WORDS:  # the module's constants are the specs' defaults
+            assert dict(spec.labels) == LABEL_WORDS[name] and spec.word_map
+    assert dict(shipped["commonsense_qa"].labels) == {c: c for c in "abcde"}
+    assert shipped["antonym"].labels is None and shipped["agnews"].test_size == 1000
+
+
+def test_shipped_checksums_are_those_of_the_shared_copies(shared_dir):  # noqa: F811
+    for spec in specs.all_specs(None).values():
+        for f in spec.all_files():
+            data = (shared_dir / f.path).read_bytes()
+            assert (hashlib.sha256(data).hexdigest(), len(data)) == (f.sha256, f.size), f.path
+
+
+def test_spec_vocabularies_are_implemented():
+    assert specs.FORMATS == tuple(ds.PARSERS)
+    assert specs.JOINS == tuple(ds.JOINS) and specs.CLEANERS == tuple(ds.CLEANERS)
+    assert specs.TEMPLATE_FIELDS == tuple(f.name for f in dataclasses.fields(Template))
+
+
+def test_the_package_ships_its_specs():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "tasks/*.json" in config["tool"]["setuptools"]["package-data"]["linicl.data"]
+    assert specs.SHIPPED_DIR == ROOT / "linicl" / "data" / "tasks"
+
+
+# ----------------------------------------------------------------------------- new tasks need no code
+
+NLI_TRAIN = [("A man plays a guitar.", "A person makes music.", "entailment"),
+             ("A cat sleeps.", "The cat is running.", "contradiction"),
+             ("Kids play outside.", "It is summer.", "neutral"),
+             ("Two dogs run.", "Animals are moving.", "entailment"),
+             ("She reads a book.", "She is asleep.", "contradiction"),
+             ("He cooks dinner.", "He is a chef.", "neutral")]
+NLI_DEV = [("A bird sings.", "There is a bird.", "entailment"),
+           ("The shop is closed.", "The shop is open.", "contradiction")]
+NLI_SPEC = {
+    "description": "a toy two-sentence entailment set",
+    "format": "jsonl",
+    "files": {"train": "nli/train.jsonl", "test": "nli/dev.jsonl"},
+    "fields": ["sentence1", "sentence2"],
+    "label_field": "gold",
+    "labels": {"entailment": "yes", "contradiction": "no", "neutral": "maybe"},
+    "template": {"input_prefix": "", "input_format": "{sentence1}\nQuestion: {sentence2} yes, no, or maybe?",
+                 "output_prefix": "Answer:"},
+    "licence": "CC0",
+    "source": "written for this test",
+}
+
+
+def _write(root: Path, files: dict) -> Path:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content if isinstance(content, str) else json.dumps(content, indent=1), encoding="utf-8")
+    return root
+
+
+def _nli_lines(rows) -> str:
+    return "".join(json.dumps({"sentence1": a, "sentence2": b, "gold": g}) + "\n" for a, b, g in rows)
+
+
+class CharTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_a_new_entailment_task_is_a_spec_and_data_files(tmp_path):
+    root = _write(tmp_path / "data", {"tasks/toy_nli.json": NLI_SPEC, "nli/train.jsonl": _nli_lines(NLI_TRAIN),
+                                      "nli/dev.jsonl": _nli_lines(NLI_DEV)})
+    assert "toy_nli" in list_tasks(root)
+    task = load_task("toy_nli", root)
+    assert task.labels == ("yes", "no", "maybe") and (len(task.train), len(task.test)) == (6, 2)
+    assert task.test[0] == Example("A bird sings.\nThere is a bird.", "yes",
+                                   (("sentence1", "A bird sings."), ("sentence2", "There is a bird.")))
+    template = template_for(task)
+    assert template.output_prefix == "Answer:" and "{sentence2}" in template.input_format
+    prompts = build_eval_set(task, CharTokenizer(), k=3, seed=0)
+    assert len(prompts) == 2 and sorted(d.output for d in prompts[0].demos) == ["maybe", "no", "yes"]
+    assert prompts[1].text.endswith(f"{prompts[1].query.field_map()['sentence1']}\nQuestion: "
+                                    f"{prompts[1].query.field_map()['sentence2']} yes, no, or maybe?\nAnswer:")
+    assert " yes\n\n" in prompts[0].text or " no\n\n" in prompts[0].text or " maybe\n\n" in prompts[0].text
+    abc = load_task("toy_nli", root, label_words={"entailment": "A", "contradiction": "B", "neutral": "C"})
+    assert abc.labels == ("A", "B", "C") and abc.test[1].output == "B"
+
+
+def test_one_file_tasks_split_by_the_spec(tmp_path):
+    rows = "label,headline,body\n" + "".join(f"{i % 2},Head {i},Body {i}.\n" for i in range(20))
+    spec = {"format": "csv", "files": {"all": "news/all.csv"}, "test_size": 4,
+            "fields": {"headline": "headline", "body": "body"}, "label_field": "label", "join": "sentence",
+            "labels": {"0": "sport", "1": "money"}, "template": "qa"}
+    answers = "".join(json.dumps({"q": f"What is {i}+1?", "a": i + 1}) + "\n" for i in range(10))
+    open_spec = {"format": "jsonl", "files": {"all": "qa.jsonl"}, "fields": ["q"], "label_field": "a",
+                 "labels": "open", "template": "qa"}
+    root = _write(tmp_path / "d", {"tasks/news.json": spec, "news/all.csv": rows, "tasks/sums.json": open_spec,
+                                   "qa.jsonl": answers})
+    news = load_task("news", root)
+    assert len(news.test) == 4 and sorted(e.output for e in news.test) == ["money", "money", "sport", "sport"]
+    head3 = Example("Head 3. Body 3.", "money", (("headline", "Head 3"), ("body", "Body 3.")))
+    assert head3 in news.train + news.test
+    assert len(load_task("news", root, test_size=0.5).test) == 10
+    sums = load_task("sums", root)
+    assert sums.labels is None and len(sums.test) == 3
+    assert Example("What is 2+1?", "3", (("q", "What is 2+1?"),)) in sums.train + sums.test
+
+
+def test_a_spec_in_the_data_dir_overrides_the_shipped_one(tmp_path):
+    override = {"format": "label_text", "files": {"train": "classification/sst2/stsa.binary.train",
+                                                  "test": "classification/sst2/stsa.binary.test"},
+                "labels": {"0": "bad", "1": "good"}, "template": {"input_prefix": "Text: "}}
+    root = write_tiny(tmp_path / "data", {"tasks/sst2.json": json.dumps(override)})
+    task = load_task("sst2", root)
+    assert task.labels == ("bad", "good") and task.train[0].output == "good"
+    assert template_for(task) == Template(input_prefix="Text: ")
+    assert load_task("trec", root).template == "trec"  # the others are still the shipped ones
+
+
+def test_a_bare_word_task_file_needs_no_spec(tmp_path):
+    pairs = [{"input": f"w{i}", "output": f"W{i}"} for i in range(10)]
+    root = write_tiny(tmp_path / "data", {"word_tasks/upper.json": json.dumps(pairs)})
+    task = load_task("upper", root)
+    assert task.labels is None and task.template == "qa" and len(task.test) == 3
+    assert "upper" in list_tasks(root)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_missing_file_names_the_folder_file_and_spec(tmp_path):
+    root = _write(tmp_path / "data", {"tasks/foo.json": {**NLI_SPEC, "files": {
+        "train": "classification/foo/train.jsonl", "test": "classification/foo/val.jsonl"}}})
+    with pytest.raises(DataError) as err:
+        load_task("foo", root)
+    assert f"{root}/classification/foo/train.jsonl not found (spec {root}/tasks/foo.json)" in str(err.value)
+    assert "foo" not in list_tasks(root)
+    (root / "word_tasks").mkdir()
+    with pytest.raises(DataError, match=r"word_tasks/antonym.json not found \(spec .*antonym.json\).*"
+                                        r"linicl data fetch antonym"):
+        load_task("antonym", root)
+
+
+def test_unknown_task_says_where_it_looked_and_what_is_known(tmp_path):
+    root = _write(tmp_path / "data", {"tasks/foo.json": NLI_SPEC})
+    with pytest.raises(DataError) as err:
+        load_task("nope", root)
+    message = str(err.value)
+    for place in (root / "tasks/nope.json", specs.SHIPPED_DIR / "nope.json", root / "word_tasks/nope.json"):
+        assert str(place) in message
+    assert "'foo'" in message and "'sst2'" in message
+    (root / "classification" / "nope").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"the folder .*classification/nope exists, but a task needs a spec"):
+        load_task("nope", root)
+    with pytest.raises(DataError, match="task name"):
+        load_task("../tasks/foo", root)
+
+
+GOOD = {"format": "jsonl", "files": {"all": "x.jsonl"}, "fields": ["a"], "label_field": "b", "labels": "open",
+        "template": "qa"}
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"formt": "jsonl"}, "formt"),
+    ({"format": "xml"}, "format"),
+    ({"files": {"train": "x.jsonl"}}, "files"),
+    ({"files": {"all": "../outside.jsonl"}}, "files.all"),
+    ({"files": {"all": "/abs/x.jsonl"}}, "files.all"),
+    ({"files": {"all": {"path": "x.jsonl", "url": "https://e.org/x"}}}, "files.all"),
+    ({"files": {"all": {"path": "x.jsonl", "url": "https://e.org/x", "sha256": "abc"}}}, "files.all.sha256"),
+    ({"files": {"all": {"path": "x.jsonl", "url": "ftp://e.org/x", "sha256": "0" * 64}}}, "files.all.url"),
+    ({"test_size": 1.5}, "test_size"),
+    ({"files": {"train": "a", "test": "b"}, "test_size": 3}, "test_size"),
+    ({"fields": []}, "fields"),
+    ({"fields": ["not an identifier"]}, "fields"),
+    ({"label_field": ""}, "label_field"),
+    ({"format": "trec"}, "fields"),
+    ({"join": "comma"}, "join"),
+    ({"clean": "lower"}, "clean"),
+    ({"labels": ["x", "x"]}, "labels"),
+    ({"labels": {"0": " padded"}}, "labels"),
+    ({"labels": "closed"}, "labels"),
+    ({"template": {"prefix": "Q: "}}, "template"),
+    ({"template": 3}, "template"),
+    ({"name": "other"}, "name"),
+    ({"extra_files": "LICENSE"}, "extra_files"),
+])
+def test_bad_specs_name_the_file_and_the_key(tmp_path, change, key):
+    bad = {**GOOD, **change}
+    if "format" in change and change["format"] == "trec":
+        bad["files"] = {"all": "x.txt"}
+    path = _write(tmp_path / "data", {"tasks/t.json": bad}) / "tasks" / "t.json"
+    with pytest.raises(DataError) as err:
+        load_task("t", tmp_path / "data")
+    assert str(err.value).startswith(f"spec {path}: {key}:"), str(err.value)
+
+
+def test_required_keys_and_invalid_json(tmp_path):
+    root = _write(tmp_path / "data", {"tasks/a.json": {k: v for k, v in GOOD.items() if k != "labels"},
+                                      "tasks/b.json": '{"format": "jsonl",\n "files": }'})
+    with pytest.raises(DataError, match=r"a.json: labels: missing"):
+        load_task("a", root)
+    with pytest.raises(DataError, match=r"b.json, line 2: invalid JSON"):
+        load_task("b", root)
+    with pytest.raises(DataError, match=r"tasks/a\.json"):  # listing reads every spec
+        list_tasks(root)
+
+
+def test_malformed_rows_of_spec_formats(tmp_path):
+    spec = {**GOOD, "labels": {"x": "ex", "y": "why"}}
+    root = _write(tmp_path / "data", {"tasks/t.json": spec,
+                                      "x.jsonl": '{"a": "one", "b": "x"}\n{"a": "two", "b": "z"}\n'})
+    with pytest.raises(DataError, match=r"x.jsonl, line 2: label 'z' is not in the closed label set"):
+        load_task("t", root)
+    (root / "x.jsonl").write_text('{"a": "one", "b": "x"}\n{"a": 2, "b": "y"}\n')
+    with pytest.raises(DataError, match=r"x.jsonl, line 2: expected an object with string a, b"):
+        load_task("t", root)
+    (root / "x.jsonl").write_text('{"a": "  ", "b": "x"}\n')
+    with pytest.raises(DataError, match=r"x.jsonl, line 1: empty input"):
+        load_task("t", root)
+
+
+def test_label_words_only_for_specs_that_map_labels(tmp_path):
+    root = write_tiny(tmp_path / "data")
+    with pytest.raises(LiniclError, match="label_words: task 'commonsense_qa' is closed by a list"):
+        load_task("commonsense_qa", root, label_words={"a": "A"})
+    with pytest.raises(LiniclError, match="label_words: task 'antonym' is open-ended"):
+        load_task("antonym", root, label_words={"a": "A"})
+
+
+def test_the_readme_spec_example_loads(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## Data\n"):].split("```json\n", 1)[1].split("```", 1)[0]
+    rows = [(p, h, g) for p, h, g in NLI_TRAIN]
+    lines = "".join(json.dumps({"premise": p, "hypothesis": h, "label": g}) + "\n" for p, h, g in rows)
+    root = _write(tmp_path / "data", {"tasks/readme_nli.json": block, "nli/train.jsonl": lines,
+                                      "nli/dev.jsonl": lines})
+    task = load_task("readme_nli", root)
+    assert task.labels == ("yes", "no", "maybe")
+    assert template_for(task).render(task.train[:1], task.test[0]).endswith("yes, no, or maybe?\nAnswer:")
