@@ -1,5 +1,6 @@
 # make demo : create .venv, install linicl, run the main job (linicl verify -> results/verify.json)
 # make test : create .venv with the test extras, run the whole suite (notebooks included)
+# make results: run every experiment that has no result in results/ yet, then write RESULTS.md
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -7,7 +8,7 @@ PIP     = $(PY) -m pip
 # Pinned versions of everything installed (see constraints.txt); `make lock` refreshes them.
 CONSTRAINTS = -c constraints.txt
 
-.PHONY: demo test venv venv-test bench notebooks lock clean
+.PHONY: demo test venv venv-test bench results notebooks lock clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,9 @@ bench: venv-test
 	$(PY) experiments/benchmarks/iclca_speed.py
 	$(PY) experiments/benchmarks/implicit_speed.py
 	$(PY) experiments/benchmarks/lm_speed.py
+
+results: venv-test
+	$(PY) experiments/results.py --run
 
 lock: venv-test
 	$(PIP) freeze --exclude-editable | grep -v '^linicl' > constraints.txt

@@ -15,8 +15,12 @@ then reads each test query alone (its positions continue at the prompt's length 
 
 Measured per (task, k, method), on the same ``--n-eval`` seeded test queries:
 
-* accuracy, scored as ``linicl.evaluate`` does: label-restricted argmax over the label words' single
-  tokens (classification), first-token accuracy over the whole vocabulary (open-ended word tasks);
+* accuracy with its 95 % Wilson interval, scored as ``linicl.evaluate`` does: label-restricted argmax
+  over the label words' single tokens (classification); for open-ended word tasks
+  ``open_metric="first_content_token"``: the gold answer's blank prefix (if the tokenizer spells
+  " 5" as [" ", "5"]) is appended to every row the query is read in (zero-shot, prompted and
+  converted-model rows alike) and the argmax over the whole vocabulary at the new last position must
+  be the answer's first content token; the distinct predictions, and a mark for a constant predictor;
 * agreement of the prediction with the prompted model's;
 * KL(prompted || method) of the next-token distribution at the query's last token, over the label
   words (renormalised; for open-ended tasks over the set of first tokens of the evaluated gold answers)
@@ -25,8 +29,13 @@ Measured per (task, k, method), on the same ``--n-eval`` seeded test queries:
   before the output projection) against the prompted model at the query tokens:
   ||z_method - z_prompt|| / ||z_prompt|| per query over all its tokens (and at its last token only),
   averaged over queries;
-* the fraction of the few-shot gain recovered, (acc_method - acc_zero) / (acc_prompt - acc_zero),
-  where acc_prompt > acc_zero, and whether the issue's target holds (see ``recovery``).
+* the fraction of the few-shot gain recovered, (acc_method - acc_zero) / (acc_prompt - acc_zero), with
+  its bootstrap interval (``linicl.stats.recovered``), only where the few-shot gain is significant;
+  whether a method collapsed (significantly below zero-shot, ``linicl.stats.collapsed``); and whether
+  the issue's target holds (see ``recovery``).
+
+BOS: ``--bos auto`` (add_bos=None) follows the tokenizer's convention (SmolLM2: none), ``on``/``off``
+force it; the JSON records the effective choice.
 
 The paper's synthetic test (iclca.md section 7): ``--synthetic-pairs`` random prompt/input pairs,
 copy/induction style: a prompt of ``--synthetic-prompt`` uniform random tokens, then an input that
@@ -60,8 +69,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import linicl.lm
-from linicl import batching, compiled, data, iclca, reporting
+from linicl import batching, compiled, data, iclca, reporting, stats
 from linicl.errors import LiniclError
+from linicl.evaluate import first_content_index
 from linicl.interventions import capture
 from linicl.memory import prompt_floats
 from linicl.names import PROMPT_APPROX, block_site
@@ -69,6 +79,8 @@ from linicl.names import PROMPT_APPROX, block_site
 DEFAULT_TASKS = ("present-past", "capitalize", "singular-plural", "sst2", "trec", "agnews")
 QUICK_TASKS = ("antonym", "sst2")
 BASE = ("zero", "prompt")
+BOS_FLAG = {"auto": None, "on": True, "off": False}  # --bos -> add_bos (None: the tokenizer's convention)
+CONSTANT_MARK = "(const)"
 
 
 # ------------------------------------------------------------------------------------------ variants
@@ -181,8 +193,10 @@ def score(lp: np.ndarray, label_ids) -> np.ndarray:
 def method_metrics(lp, z, ref: dict, gold_ids, label_ids, kl_ids, qlens) -> dict:
     pred = score(lp, label_ids)
     correct = pred == gold_ids
-    out = dict(accuracy=float(np.mean(correct)), correct=correct.astype(int).tolist(),
-               predictions=pred.tolist())
+    iv = stats.wilson(int(correct.sum()), correct.size)
+    distinct = len(np.unique(pred))
+    out = dict(accuracy=iv.value, ci_low=iv.low, ci_high=iv.high, correct=correct.astype(int).tolist(),
+               predictions=pred.tolist(), distinct=distinct, constant=bool(pred.size > 1 and distinct == 1))
     if ref is not None:
         kl_full = _kl(ref["lp"], lp)
         kl_label = _kl(ref["lp"][:, kl_ids], lp[:, kl_ids]) if kl_ids is not None else None
@@ -229,30 +243,46 @@ def fit_queries(task, tok, template, exclude, m: int, target_len: int, seed: int
     return np.stack(by_len[L][:m]).astype(np.int32)
 
 
+def first_content_golds(tok, prompts, prefix: str) -> tuple[np.ndarray, list]:
+    """Per prompt, the gold answer's first content token and the blank tokens before it (the
+    scoring of ``linicl.evaluate``'s ``open_metric="first_content_token"``)."""
+    golds = [[int(i) for i in tok.encode(prefix + p.label)] for p in prompts]
+    cuts = [first_content_index(tok, g) for g in golds]
+    return (np.asarray([g[j] for g, j in zip(golds, cuts)], np.int32),
+            [np.asarray(g[:j], np.int32) for g, j in zip(golds, cuts)])
+
+
+def with_blanks(prompts, blanks) -> list:
+    """Each prompt's tokens followed by its gold answer's blank prefix."""
+    return [np.concatenate([p.tokens, b]) for p, b in zip(prompts, blanks)]
+
+
 def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[dict, list]:
     template = data.template_for(task)
     label_ids = (None if task.labels is None
                  else data.check_label_words(task.labels, tok, prefix=template.label_prefix))
     zero_prompts = data.build_eval_set(task, tok, k=0, seed=args.seed, n_eval=args.n_eval, add_bos=add_bos)
     n_bos = zero_prompts[0].query_start
-    queries = [p.tokens[p.query_start:] for p in zero_prompts]
-    qlens = np.asarray([len(q) for q in queries], np.int32)
-    W = batching.bucket_length(int(qlens.max()), "geometric")
     if label_ids is None:
-        gold_ids = np.asarray([tok.encode(template.label_prefix + p.label)[0] for p in zero_prompts], np.int32)
+        gold_ids, blanks = first_content_golds(tok, zero_prompts, template.label_prefix)
         cand = np.unique(gold_ids)
         kl_ids = cand if len(cand) >= 2 else None
     else:
         gold_ids = label_ids[np.asarray([task.labels.index(p.label) for p in zero_prompts])]
+        blanks = [np.zeros(0, np.int32)] * len(zero_prompts)
         kl_ids = label_ids
-    entry = dict(metric="first_token" if label_ids is None else "label",
+    # every row a query is read in ends with its gold answer's blank prefix (usually none)
+    queries = [np.concatenate([p.tokens[p.query_start:], b]) for p, b in zip(zero_prompts, blanks)]
+    qlens = np.asarray([len(q) for q in queries], np.int32)
+    W = batching.bucket_length(int(qlens.max()), "geometric")
+    entry = dict(metric="first_content_token" if label_ids is None else "label",
                  labels=None if task.labels is None else list(task.labels), n=len(queries),
                  query_len=dict(min=int(qlens.min()), max=int(qlens.max()), mean=float(qlens.mean())),
                  width=W, kl_label_set=None if kl_ids is None else [int(i) for i in kl_ids],
                  gold_ids=gold_ids.tolist(), k={})
     skipped = []
     t0 = time.perf_counter()
-    lp0, z0 = run_rows(model, variables, [p.tokens for p in zero_prompts], n_bos, W, args)
+    lp0, z0 = run_rows(model, variables, with_blanks(zero_prompts, blanks), n_bos, W, args)
     entry["zero_eval_s"] = time.perf_counter() - t0
     for k in args.k:
         bar.set_postfix_str(f"{task.name} k={k}")
@@ -262,13 +292,14 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
             prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval, same_demos=True,
                                           add_bos=add_bos)
             n, ctx, q_k = query_rows(prompts)
+            q_k = [np.concatenate([q, b]) for q, b in zip(q_k, blanks)]
             if any(not np.array_equal(a, b) for a, b in zip(q_k, queries)):
                 raise LiniclError("the query tokens differ between the zero-shot and the k-shot prompts")
             if model.cfg.positions == "learned" and n + W > model.cfg.max_len:
                 raise LiniclError(f"prompt ({n}) + query width ({W}) exceed the learned positions "
                                   f"(max_len={model.cfg.max_len})")
             t0 = time.perf_counter()
-            lp_p, z_p = run_rows(model, variables, [p.tokens for p in prompts], n, W, args)
+            lp_p, z_p = run_rows(model, variables, with_blanks(prompts, blanks), n, W, args)
             cell["timing"]["prompt_eval_s"] = time.perf_counter() - t0
         except LiniclError as e:
             skipped.append(dict(task=task.name, k=k, method="all", reason=str(e)))
@@ -285,7 +316,8 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
             fit = fit_queries(task, tok, template, set(prompts[0].demos), args.fit_queries,
                               int(np.median(qlens)), args.seed)
             cell["fit_inputs_shape"] = None if fit is None else list(fit.shape)
-        for name, spec in specs.items():
+        for i, (name, spec) in enumerate(specs.items()):
+            bar.set_postfix_str(f"{task.name} k={k}: {name} ({i + 1}/{len(specs)})")
             try:
                 t0 = time.perf_counter()
                 conv = convert(model, variables, ctx, spec, args, fit)
@@ -313,67 +345,78 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
 
 
 # ------------------------------------------------------------------------------------------ recovery
-def _ratio(num: float, gain: float):
-    """``num / gain`` when the gain is positive and the number finite, else None."""
-    return float(num / gain) if gain > 0 and math.isfinite(num) else None
+def _iv(iv) -> dict:
+    """An Interval as JSON (None stays None: the quantity is undefined)."""
+    return None if iv is None else dict(value=iv.value, low=iv.low, high=iv.high)
+
+
+def compare(correct: dict, variants: list) -> dict:
+    """Per-query correctness ``{method: array}`` of one set of paired queries -> the few-shot gain with
+    its paired interval, each variant's recovered share (None unless the gain is significant), its
+    difference to the prompted model and whether it (or the prompted model) collapsed."""
+    zero, few = correct["zero"], correct["prompt"]
+    g = stats.gain(few, zero)
+    present = [v for v in variants if v in correct]
+    return dict(zero=float(zero.mean()), prompt=float(few.mean()), gain=_iv(g), significant=g.excludes_zero(),
+                variant_acc={v: float(correct[v].mean()) for v in present},
+                fraction={v: _iv(stats.recovered(correct[v], few, zero)) if v in correct else None for v in variants},
+                vs_prompt={v: _iv(stats.paired_bootstrap(correct[v], few)) for v in ["zero"] + present},
+                collapsed={v: stats.collapsed(correct[v], zero) for v in ["prompt"] + present})
+
+
+def _cell_correct(cell: dict) -> dict:
+    return {m: np.asarray(r["correct"], float) for m, r in cell["methods"].items()}
+
+
+def _pooled_correct(cells: list) -> dict:
+    """The (query, k) pairs of every k concatenated, for the methods every cell has."""
+    cs = [_cell_correct(c) for c in cells]
+    common = set.intersection(*(set(c) for c in cs))
+    return {m: np.concatenate([c[m] for c in cs]) for m in common}
 
 
 def recovery(tasks: dict, variants: list) -> dict:
-    """Fraction of the few-shot gain recovered, per (task, k) and per task pooled over k, and the
-    issue's target: the best variant recovers >= half of the gain on >= half of the tasks."""
+    """The few-shot gain recovered, per (task, k) and per task pooled over k (every (query, k) a pair),
+    and the issue's target: the best variant recovers >= half of the gain on >= half of the tasks,
+    counting only tasks with a significant gain (``linicl.stats.recovered``)."""
     per_cell, pooled = {}, {}
     for name, e in tasks.items():
-        zero_accs, accs = [], {v: [] for v in ["prompt"] + variants}
         for k, cell in e["k"].items():
-            ms = cell["methods"]
-            a0, ap = ms["zero"]["accuracy"], ms["prompt"]["accuracy"]
-            zero_accs.append(a0)
-            for v in accs:
-                accs[v].append(ms[v]["accuracy"] if v in ms else float("nan"))
-            per_cell[f"{name}/k={k}"] = dict(
-                task=name, k=int(k), gain=ap - a0,
-                fraction={v: _ratio(ms[v]["accuracy"] - a0, ap - a0) if v in ms else None for v in variants})
-        if not zero_accs:
-            continue
-        a0, ap = float(np.mean(zero_accs)), float(np.mean(accs["prompt"]))
-        pooled[name] = dict(zero=a0, prompt=ap, gain=ap - a0,
-                            variant_acc={v: float(np.mean(accs[v])) for v in variants},
-                            fraction={v: _ratio(float(np.mean(accs[v])) - a0, ap - a0) for v in variants})
+            per_cell[f"{name}/k={k}"] = dict(task=name, k=int(k), **compare(_cell_correct(cell), variants))
+        if e["k"]:
+            pooled[name] = compare(_pooled_correct(list(e["k"].values())), variants)
 
     def ok(f) -> bool:
-        return f is not None and f >= 0.5
+        return f is not None and f["value"] >= 0.5
 
-    with_gain = [t for t, p in pooled.items() if p["gain"] > 0]
+    with_gain = [t for t, p in pooled.items() if p["significant"] and p["gain"]["value"] > 0]
     passes = {v: [t for t in with_gain if ok(pooled[t]["fraction"][v])] for v in variants}
 
     def mean_fraction(v) -> float:
-        fs = [pooled[t]["fraction"][v] for t in with_gain if pooled[t]["fraction"][v] is not None]
+        fs = [pooled[t]["fraction"][v]["value"] for t in with_gain if pooled[t]["fraction"][v] is not None]
         return float(np.mean(fs)) if fs else -math.inf
 
     best = max(variants, key=lambda v: (len(passes[v]), mean_fraction(v))) if variants else None
-    per_task_best = {t: max(variants, key=lambda v: -math.inf if pooled[t]["fraction"][v] is None
-                            else pooled[t]["fraction"][v]) for t in with_gain} if variants else {}
     need = math.ceil(len(pooled) / 2)
     per_k = {}
     for k in sorted({c["k"] for c in per_cell.values()}):
         cells = {c["task"]: c for c in per_cell.values() if c["k"] == k}
-        g = [t for t, c in cells.items() if c["gain"] > 0]
+        g = [t for t, c in cells.items() if c["significant"] and c["gain"]["value"] > 0]
         passing = {v: sorted(t for t in g if ok(cells[t]["fraction"][v])) for v in variants}
         per_k[str(k)] = dict(tasks=len(cells), tasks_with_gain=len(g), passing=passing,
-                             target_met=bool(variants) and max(len(x) for x in passing.values()) >= math.ceil(
-                                 len(cells) / 2) and len(g) > 0)
+                             target_met=bool(variants) and bool(g) and max(len(x) for x in passing.values())
+                             >= math.ceil(len(cells) / 2))
     return dict(
-        definition=("fraction = (acc_variant - acc_zero) / (acc_prompt - acc_zero), only where acc_prompt > "
-                    "acc_zero. Primary (pooled): accuracies averaged over k per task. Target: one variant "
-                    "(the best) has fraction >= 0.5 on at least ceil(#tasks / 2) of all evaluated tasks "
-                    "(a task without a few-shot gain counts as not recovered). per_k: the same at each k."),
+        definition=("fraction = (acc_variant - acc_zero) / (acc_prompt - acc_zero) with a 95 % bootstrap "
+                    "interval (linicl.stats.recovered), defined only where the few-shot gain acc_prompt - "
+                    "acc_zero is significant (paired bootstrap interval above 0). Primary (pooled): every "
+                    "(query, k) of a task one pair. Target: one variant (the best) has fraction >= 0.5 on at "
+                    "least ceil(#tasks / 2) of all evaluated tasks (a task without a significant gain counts "
+                    "as not recovered). collapsed: significantly below zero-shot. per_k: the same at each k."),
         per_task_k=per_cell, per_task_pooled=pooled, tasks=len(pooled), tasks_with_gain=len(with_gain),
         passing=passes, best_variant=best,
         best_mean_fraction=None if best is None or not math.isfinite(mean_fraction(best)) else mean_fraction(best),
         needed=need, target_met=bool(best is not None and with_gain and len(passes[best]) >= need),
-        per_task_best_variant=per_task_best,
-        target_met_with_per_task_best=bool(with_gain and sum(
-            ok(pooled[t]["fraction"][per_task_best[t]]) for t in with_gain) >= need),
         per_k=per_k)
 
 
@@ -457,12 +500,35 @@ def _cells(report: dict):
     return [(t, k, e, cell) for t, e in report["tasks"].items() for k, cell in e["k"].items()]
 
 
+def fmt_acc(r: dict) -> str:
+    """``"62.5 [45.1, 77.3]"`` (percent, Wilson), marked for a constant predictor."""
+    text = stats.Interval(r["accuracy"], r["ci_low"], r["ci_high"]).fmt()
+    return f"{text} {CONSTANT_MARK}" if r.get("constant") else text
+
+
+def fmt_iv(d, scale: float = 100.0, digits: int = 1, empty: str = "-") -> str:
+    return empty if d is None else stats.Interval(d["value"], d["low"], d["high"]).fmt(scale, digits)
+
+
+def fmt_recovered(p: dict, v: str) -> str:
+    """The recovered share of the gain with its interval; 'n.s.' where the gain is not significant,
+    'collapsed' appended where the variant is significantly below zero-shot."""
+    if v not in p["variant_acc"]:
+        return "-"
+    text = "n.s." if not p["significant"] else fmt_iv(p["fraction"][v], 1.0, 2)
+    return text + (" collapsed" if p["collapsed"].get(v) else "")
+
+
 def tables(report: dict) -> str:
     methods, rest, variants = list(BASE) + report["variants"], ["zero"] + report["variants"], report["variants"]
     table = reporting.markdown_table
     acc = table(["task", "k", "n"] + methods, [
-        [t, k, e["n"]] + [_fmt(c["methods"][m]["accuracy"]) if m in c["methods"] else "-" for m in methods]
+        [t, k, e["n"]] + [fmt_acc(c["methods"][m]) if m in c["methods"] else "-" for m in methods]
         for t, k, e, c in _cells(report)])
+    rec = report["recovery"]
+    diff = table(["task", "k"] + rest, [
+        [c["task"], c["k"]] + [fmt_iv(c["vs_prompt"].get(v)) for v in rest]
+        for c in rec["per_task_k"].values()])
     kl = table(["task", "k"] + rest, [
         [t, k] + [f"{_fmt(c['methods'][m]['kl_full_mean'], '.3g')} / {_fmt(c['methods'][m]['kl_label_mean'], '.3g')}"
                   if m in c["methods"] else "-" for m in rest]
@@ -470,18 +536,23 @@ def tables(report: dict) -> str:
     err = table(["method", "first layer", "middle", "last layer", "mean over layers"], [
         [m] + [_fmt(x, ".3f") for x in (curve[0], curve[len(curve) // 2], curve[-1], float(np.mean(curve)))]
         for m, curve in report["layer_error_summary"].items()])
-    rec = report["recovery"]
-    gain = table(["task", "zero", "prompt"] + variants, [
-        [t, _fmt(p["zero"]), _fmt(p["prompt"])] + [_fmt(p["fraction"][v]) for v in variants]
+    gain = table(["task", "zero", "prompt", "gain"] + variants, [
+        [t, _fmt(100 * p["zero"], ".1f"), _fmt(100 * p["prompt"], ".1f"),
+         fmt_iv(p["gain"]) + ("" if p["significant"] else " (n.s.)")] + [fmt_recovered(p, v) for v in variants]
         for t, p in rec["per_task_pooled"].items()])
-    lines = ["Accuracy (label-restricted for classification, first-token for word tasks):", "", acc,
+    lines = ["Accuracy in % with 95 % Wilson intervals (label-restricted for classification, first content "
+             f"token for word tasks; {CONSTANT_MARK}: the same prediction for every query):", "", acc,
+             "", "Method minus prompted model, accuracy points on the same queries (paired bootstrap 95 %):", "",
+             diff,
              "", "Mean KL(prompted || method), full vocabulary / label words, at the query's last token:", "", kl,
              "", "hook_z relative error vs the prompted model (mean over queries, tasks and k), by layer:", "", err,
-             "", "Fraction of the few-shot gain recovered (accuracies pooled over k; '-' = no gain):", "", gain,
+             "", "Share of the few-shot gain recovered, with its 95 % bootstrap interval (every (query, k) of a "
+                 "task one pair; 'n.s.': the few-shot gain is not significant, so no share is defined; "
+                 "'collapsed': significantly below zero-shot):", "", gain,
              f"\nTarget (best variant recovers >= half the gain on >= half the tasks): "
              f"{'MET' if rec['target_met'] else 'NOT MET'} (best variant {rec['best_variant']}: "
              f"{len(rec['passing'].get(rec['best_variant'], []))} of {rec['tasks']} tasks, "
-             f"{rec['tasks_with_gain']} with a gain, {rec['needed']} needed)"]
+             f"{rec['tasks_with_gain']} with a significant gain, {rec['needed']} needed)"]
     syn = report.get("synthetic")
     if syn and syn["methods"]:
         s = syn["settings"]
@@ -624,7 +695,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--bucket", default="geometric", help="length buckets: 'geometric' or a multiple, e.g. 32")
     p.add_argument("--max-len", type=int, default=2048, help="decode-cache size of rope models")
-    p.add_argument("--bos", choices=["auto", "on", "off"], default="auto", help="prepend BOS (auto: as the "
+    p.add_argument("--bos", choices=list(BOS_FLAG), default="auto", help="prepend BOS (auto: as the "
                    "checkpoint's tokenizer says)")
     args = p.parse_args(argv)
     if args.bucket != "geometric":
@@ -642,11 +713,16 @@ def parse_args(argv=None):
     return args
 
 
+def effective_bos(tok, add_bos) -> bool:
+    """Whether prompts really start with BOS: the flag, or the tokenizer's own convention."""
+    return bool(getattr(tok, "adds_bos", False)) if add_bos is None else bool(add_bos)
+
+
 def run(args) -> dict:
     t_start = time.perf_counter()
     source, model, variables, tok = linicl.lm.load(args.model, max_len=args.max_len, require_tokenizer=True)
     load_s = time.perf_counter() - t_start
-    add_bos = {"on": True, "off": False, "auto": linicl.lm.adds_bos(source)}[args.bos]
+    add_bos = BOS_FLAG[args.bos]
     if model.cfg.attention != "softmax":
         raise LiniclError("this experiment is about softmax models (a linear model's conversion is exact)")
     specs = variant_specs(args)
@@ -679,7 +755,7 @@ def run(args) -> dict:
         model=dict(source=str(source), n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
                    kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size, positions=cfg.positions,
                    dtype=cfg.dtype, describe=cfg.describe()),
-        settings=dict({k: v for k, v in vars(args).items()}, add_bos=add_bos,
+        settings=dict({k: v for k, v in vars(args).items()}, add_bos=effective_bos(tok, add_bos),
                       data_dir=str(data.resolve_data_dir(args.data_dir))),
         machine=reporting.machine_info(),
         tasks=tasks, skipped=skipped, synthetic=syn)

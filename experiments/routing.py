@@ -13,8 +13,18 @@ Steps (each timed; ``timings`` in the JSON holds the wall seconds per phase and 
    last-token residual at the middle layer, added at the query's last token; built from each task's
    own training split, ``linicl.routing.task_vector``).
 
-Reported: accuracy per task and method, ID and OOD averages, collapses (tasks where a method scores
-below zero-shot), whether ICR meets the targets (no collapse; ID average >= 5 points over zero-shot).
+Open-ended tasks are scored by exact match of the greedy answer (``linicl.evaluate``'s default).
+Reported: accuracy per task and method with its 95 % Wilson interval (a constant predictor marked),
+each method's difference to zero-shot on the same queries (paired bootstrap 95 %), the share of the
+few-shot gain it recovers (only where that gain is significant, ``linicl.stats.recovered``), ID and
+OOD averages, collapses (tasks where a method is significantly below zero-shot,
+``linicl.stats.collapsed``), whether ICR meets the targets (no collapse; ID average >= 5 points over
+zero-shot).
+
+``--eval-tasks`` evaluates only the tasks named (of the ID and OOD ones; the router is still trained on
+every ID task); each (task, method) shows its batches in a progress bar. ``--bos auto|on|off``: BOS
+as the tokenizer's convention (SmolLM2: none), always or never, in every prompt built here (PIDs,
+training, evaluation, task vectors); the JSON records the effective choice.
 Writes ``OUT/routing.json``, ``OUT/routing.md`` (the table, also printed) and ``OUT/routing.png``.
 
 Nothing long is lost: the PIDs (``OUT/pids.npz``), the training state (``OUT/ckpt/*.safetensors``, every
@@ -41,6 +51,9 @@ import numpy as np
 
 from linicl import reporting
 
+BOS_FLAG = {"auto": None, "on": True, "off": False}  # --bos -> add_bos (None: the tokenizer's convention)
+CONSTANT_MARK = "(const)"
+ROW_FIELDS = ("n", "metric", "detail")  # the keys of a result row that are not methods
 ID_TASKS = ("sst2", "trec", "agnews", "commonsense_qa", "antonym")
 OOD_TASKS = ("cb", "sentiment", "country-capital", "singular-plural")
 
@@ -66,11 +79,19 @@ def parse_args(argv=None):
                    help="also train and evaluate the random-orthonormal-basis control (doubles training)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="router training steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="reuse what a run with the same settings left in --out")
+    p.add_argument("--bos", choices=list(BOS_FLAG), default="auto",
+                   help="prepend BOS: as the checkpoint's tokenizer says (auto), always, never")
+    p.add_argument("--eval-tasks", default=None,
+                   help="comma-separated tasks to evaluate, of --id-tasks and --ood-tasks (default: all of them)")
     args = p.parse_args(argv)
     if args.quick:
         args.id_tasks, args.ood_tasks = "sst2", "cb"
         args.pid_prompts, args.train, args.epochs, args.n_eval, args.tv_prompts = 8, 16, 1, 8, 4
         args.shots = 2
+    try:  # refuse unknown tasks before loading anything
+        eval_task_names(args)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -83,16 +104,28 @@ def load_model(name: str):
     return model, variables, tokenizer
 
 
-def zero_shot_prompts(task, tokenizer, n: int, seed: int, split: str = "train"):
+def eval_task_names(args) -> list:
+    """The tasks to evaluate, in the order of --id-tasks then --ood-tasks."""
+    known = [t for t in args.id_tasks.split(",") + args.ood_tasks.split(",") if t]
+    if args.eval_tasks is None:
+        return known
+    asked = [t for t in args.eval_tasks.split(",") if t]
+    unknown = [t for t in asked if t not in known]
+    if unknown or not asked:
+        raise ValueError(f"--eval-tasks: {unknown or asked} not among the ID/OOD tasks {known}")
+    return [t for t in known if t in asked]
+
+
+def zero_shot_prompts(task, tokenizer, n: int, seed: int, split: str = "train", add_bos=None):
     """Zero-shot prompts of ``n`` seeded examples of a split, with their answers."""
     from linicl.data import build_prompt, template_for
     pool = getattr(task, split)
     idx = np.random.default_rng([seed, 7]).permutation(len(pool))[:n]
     template = template_for(task)
-    return [build_prompt(template, (), pool[i], tokenizer) for i in idx], template
+    return [build_prompt(template, (), pool[i], tokenizer, add_bos=add_bos) for i in idx], template
 
 
-def few_shot_prompts(task, tokenizer, n: int, k: int, seed: int):
+def few_shot_prompts(task, tokenizer, n: int, k: int, seed: int, add_bos=None):
     """``n`` few-shot prompts whose queries come from the training split (never the test split)."""
     from linicl.data import build_prompt, sample_demos, template_for
     template = template_for(task)
@@ -100,7 +133,7 @@ def few_shot_prompts(task, tokenizer, n: int, k: int, seed: int):
     out = []
     for j, i in enumerate(idx):
         demos = [d for d in sample_demos(task, k + 1, [seed, 9, j]) if d != task.train[i]][:k]
-        out.append(build_prompt(template, demos, task.train[i], tokenizer))
+        out.append(build_prompt(template, demos, task.train[i], tokenizer, add_bos=add_bos))
     return out
 
 
@@ -109,7 +142,7 @@ def build_pids(model, variables, tokenizer, tasks, args):
     prompts = []
     for task in tasks:
         k = args.pid_shots * (len(task.labels) if task.labels else 2)
-        prompts += few_shot_prompts(task, tokenizer, args.pid_prompts, k, args.seed)
+        prompts += few_shot_prompts(task, tokenizer, args.pid_prompts, k, args.seed, BOS_FLAG[args.bos])
     meta = {"tasks": [t.name for t in tasks], "prompts_per_task": args.pid_prompts,
             "demos_per_class": args.pid_shots, "seed": args.seed}
     return routing.extract_pids(model, variables, prompts, r=args.rank, meta=meta,
@@ -129,7 +162,7 @@ def prepare(model, variables, tokenizer, tasks, pids, args):
     from linicl import routing
     prompts, answers = [], []
     for task in tasks:
-        ps, template = zero_shot_prompts(task, tokenizer, args.train, args.seed)
+        ps, template = zero_shot_prompts(task, tokenizer, args.train, args.seed, add_bos=BOS_FLAG[args.bos])
         prompts += ps
         answers += [tokenizer.encode(template.label_prefix + p.label)[0] for p in ps]
     return routing.prepare(model, variables, prompts, answers, pids, progress=args.progress)
@@ -142,29 +175,47 @@ def train(model, variables, pids, data, args, checkpoint):
                                 checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
 
 
-def evaluate_task(model, variables, tokenizer, task, methods: dict, args) -> dict:
+def evaluate_task(model, variables, tokenizer, task, methods: dict, args, bar=None) -> dict:
+    """One task's row: per method its accuracy, and under ``detail`` its interval, distinct
+    predictions and per-query correctness (every method scores the same queries)."""
     from linicl import routing
     from linicl.evaluate import evaluate
-    common = dict(seed=args.seed, n_eval=args.n_eval, progress=False)
-    row = {}
-    zs = evaluate(model, variables, tokenizer, task, k=0, **common)
-    row["zero-shot"] = zs.accuracy
-    row["few-shot"] = evaluate(model, variables, tokenizer, task, k=args.shots, **common).accuracy
+    add_bos = BOS_FLAG[args.bos]
+    common = dict(seed=args.seed, n_eval=args.n_eval, progress=args.progress, add_bos=add_bos)
+    row, detail = {}, {}
+
+    def record(name, res):
+        row[name] = res.accuracy
+        detail[name] = dict(ci_low=res.interval.low, ci_high=res.interval.high, distinct=res.distinct,
+                            constant=res.constant, correct=res.correct.astype(int).tolist())
+        return res
+
+    def status(name):  # inside the task: which method is being scored
+        if bar is not None:
+            bar.set_postfix_str(f"{task.name}: {name}")
+
+    status("zero-shot")
+    zs = record("zero-shot", evaluate(model, variables, tokenizer, task, k=0, **common))
+    status("few-shot")
+    record("few-shot", evaluate(model, variables, tokenizer, task, k=args.shots, **common))
     for name, (pids, router, params) in methods.items():
+        status(name)
         forward = forward_for(model, pids, router)
-        row[name] = evaluate(model, {**variables, "router": params}, tokenizer, task, k=0, forward=forward,
-                             **common).accuracy
+        record(name, evaluate(model, {**variables, "router": params}, tokenizer, task, k=0, forward=forward,
+                              **common))
+    status("task-vector")
     layer = model.cfg.n_layers // 2
-    fs = few_shot_prompts(task, tokenizer, args.tv_prompts, args.shots, args.seed + 1)
-    zs_train, _ = zero_shot_prompts(task, tokenizer, args.tv_prompts, args.seed + 1)
+    fs = few_shot_prompts(task, tokenizer, args.tv_prompts, args.shots, args.seed + 1, add_bos)
+    zs_train, _ = zero_shot_prompts(task, tokenizer, args.tv_prompts, args.seed + 1, add_bos=add_bos)
     vector = routing.task_vector(model, variables, fs, zs_train, layer)
     # One vector per evaluated prompt through ``extras``: the edits function is the same object for
     # every task, so the task-vector forward compiles once per length bucket, not once per task.
-    row["task-vector"] = evaluate(model, variables, tokenizer, task, k=0,
-                                  edits=routing.task_vector_edits(None, layer),
-                                  extras=np.tile(vector.astype(np.float32), (zs.n, 1)), **common).accuracy
+    record("task-vector", evaluate(model, variables, tokenizer, task, k=0,
+                                   edits=routing.task_vector_edits(None, layer),
+                                   extras=np.tile(vector.astype(np.float32), (zs.n, 1)), **common))
     row["n"] = zs.n
     row["metric"] = zs.metric
+    row["detail"] = detail
     return row
 
 
@@ -180,40 +231,105 @@ def forward_for(model, pids, router):
     return _FORWARDS[key]
 
 
+def method_names(results: dict) -> list:
+    return [m for m in next(iter(results.values())) if m not in ROW_FIELDS]
+
+
+def _iv(iv) -> dict:
+    return None if iv is None else dict(value=iv.value, low=iv.low, high=iv.high)
+
+
+def _correct(row: dict, method: str) -> np.ndarray:
+    return np.asarray(row["detail"][method]["correct"], float)
+
+
+def compare(row: dict, methods: list) -> dict:
+    """Per method (not zero-shot), on the task's shared queries: the difference to zero-shot (paired
+    bootstrap), whether it collapsed (significantly below zero-shot) and the share of the few-shot
+    gain it recovers (None unless that gain is significant)."""
+    from linicl import stats
+    zero, few = _correct(row, "zero-shot"), _correct(row, "few-shot")
+    out = {}
+    for m in methods:
+        if m == "zero-shot":
+            continue
+        c = _correct(row, m)
+        out[m] = dict(vs_zero=_iv(stats.paired_bootstrap(c, zero)), collapsed=stats.collapsed(c, zero),
+                      recovered=None if m == "few-shot" else _iv(stats.recovered(c, few, zero)))
+    return out
+
+
 def summarise(results: dict, id_tasks, ood_tasks) -> dict:
-    methods = [m for m in next(iter(results.values())) if m not in ("n", "metric")]
+    """Group averages (mean over tasks), per task the comparisons of ``compare``, collapses (tasks
+    where a method is significantly below zero-shot) and the ICR targets; the ID gain of ICR over
+    zero-shot comes with a paired bootstrap interval over the ID tasks' queries pooled."""
+    from linicl import stats
+    methods = method_names(results)
     out = {}
     for group, names in (("ID", id_tasks), ("OOD", ood_tasks), ("all", list(id_tasks) + list(ood_tasks))):
         names = [t for t in names if t in results]
         if names:
             out[group] = {m: float(np.mean([results[t][m] for t in names])) for m in methods}
-    out["collapses"] = {m: int(sum(results[t][m] < results[t]["zero-shot"] for t in results))
-                        for m in methods if m != "zero-shot"}
-    out["collapsed_tasks"] = {m: [t for t in results if results[t][m] < results[t]["zero-shot"]]
+    out["compare"] = {t: compare(row, methods) for t, row in results.items()}
+    out["collapsed_tasks"] = {m: [t for t in results if out["compare"][t][m]["collapsed"]]
                               for m in methods if m != "zero-shot"}
-    if "ICR" in methods and "ID" in out:
+    out["collapses"] = {m: len(ts) for m, ts in out["collapsed_tasks"].items()}
+    ids = [t for t in id_tasks if t in results]
+    if "ICR" in methods and ids:
+        pooled = stats.paired_bootstrap(np.concatenate([_correct(results[t], "ICR") for t in ids]),
+                                        np.concatenate([_correct(results[t], "zero-shot") for t in ids]))
         gain = 100 * (out["ID"]["ICR"] - out["ID"]["zero-shot"])
         out["targets"] = {"ICR_collapses": out["collapses"]["ICR"], "no_collapses": out["collapses"]["ICR"] == 0,
-                          "ICR_ID_gain_points": gain, "ID_gain_at_least_5_points": bool(gain >= 5.0)}
+                          "ICR_ID_gain_points": gain, "ICR_ID_gain_pooled": _iv(pooled),
+                          "ID_gain_at_least_5_points": bool(gain >= 5.0)}
     return out
 
 
+def fmt_acc(row: dict, m: str) -> str:
+    """``"62.5 [45.1, 77.3]"`` (percent, Wilson), marked for a constant predictor."""
+    from linicl.stats import Interval
+    d = row["detail"][m]
+    text = Interval(row[m], d["ci_low"], d["ci_high"]).fmt()
+    return f"{text} {CONSTANT_MARK}" if d["constant"] else text
+
+
+def fmt_compare(c: dict) -> str:
+    """``"+12.5 [3.1, 21.9]; rec 0.80 [0.31, 1.20]"``, or ``"... COLLAPSED"``."""
+    from linicl.stats import Interval
+    v = c["vs_zero"]
+    text = Interval(v["value"], v["low"], v["high"]).fmt()
+    if c["recovered"] is not None:
+        r = c["recovered"]
+        text += f"; rec {Interval(r['value'], r['low'], r['high']).fmt(1.0, 2)}"
+    return text + (" COLLAPSED" if c["collapsed"] else "")
+
+
 def table(results: dict, summary: dict, id_tasks, ood_tasks) -> str:
-    """The result table (accuracy in %) as Markdown: one row per task, the group averages and the
-    number of collapses (tasks where a method is below zero-shot)."""
-    methods = [m for m in next(iter(results.values())) if m not in ("n", "metric")]
-    rows = [[t, group, results[t]["n"]] + [f"{100 * results[t][m]:.1f}" for m in methods]
-            for group, names in (("ID", id_tasks), ("OOD", ood_tasks)) for t in names if t in results]
+    """The result tables as Markdown: accuracy (%) with 95 % Wilson intervals per task and method, the
+    group averages and the number of collapses; then each method minus zero-shot on the same queries
+    (paired bootstrap), with the share of the few-shot gain recovered where that gain is significant."""
+    methods = method_names(results)
+    order = [(group, t) for group, names in (("ID", id_tasks), ("OOD", ood_tasks)) for t in names if t in results]
+    rows = [[t, group, results[t]["n"]] + [fmt_acc(results[t], m) for m in methods] for group, t in order]
     rows += [[f"**{group} average**", "", ""] + [f"{100 * summary[group][m]:.1f}" for m in methods]
              for group in ("ID", "OOD", "all") if group in summary]
     rows.append(["**collapses**", "", ""] + ["-" if m == "zero-shot" else summary["collapses"][m] for m in methods])
-    lines = [reporting.markdown_table(["task", "group", "n"] + methods, rows)]
+    others = [m for m in methods if m != "zero-shot"]
+    diffs = [[t, group] + [fmt_compare(summary["compare"][t][m]) for m in others] for group, t in order]
+    lines = [f"Accuracy in % with 95 % Wilson intervals ({CONSTANT_MARK}: the same prediction for every query):",
+             "", reporting.markdown_table(["task", "group", "n"] + methods, rows), "",
+             "Method minus zero-shot, points on the same queries (paired bootstrap 95 %); rec: share of the "
+             "few-shot gain recovered (only where that gain is significant); COLLAPSED: significantly below "
+             "zero-shot:", "", reporting.markdown_table(["task", "group"] + others, diffs)]
     if "targets" in summary:
         t = summary["targets"]
+        pooled = t["ICR_ID_gain_pooled"]
         lines.append("")
         lines.append(f"Targets for ICR: no collapses: {'met' if t['no_collapses'] else 'NOT met'} "
                      f"({t['ICR_collapses']}: {', '.join(summary['collapsed_tasks']['ICR']) or 'none'}); "
                      f"ID average {t['ICR_ID_gain_points']:+.1f} points over zero-shot "
+                     f"(pooled queries {100 * pooled['value']:+.1f} [{100 * pooled['low']:+.1f}, "
+                     f"{100 * pooled['high']:+.1f}]) "
                      f"(>= 5: {'met' if t['ID_gain_at_least_5_points'] else 'NOT met'}).")
     return "\n".join(lines)
 
@@ -221,21 +337,23 @@ def table(results: dict, summary: dict, id_tasks, ood_tasks) -> str:
 def figure(plt, results, summary):
     """Accuracy per task, one bar per method."""
     tasks = list(results)
-    methods = [m for m in results[tasks[0]] if m not in ("n", "metric")]
+    methods = method_names(results)
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 4))
     w = 0.8 / len(methods)
     for j, m in enumerate(methods):
         ax.bar(np.arange(len(tasks)) + j * w, [results[t][m] for t in tasks], w, label=m)
     ax.set_xticks(np.arange(len(tasks)) + 0.4 - w / 2, tasks, rotation=30, ha="right")
     ax.set_ylabel("accuracy")
-    ax.set_title("In-Context Routing: ID avg " + ", ".join(f"{m} {v:.2f}" for m, v in summary["ID"].items()),
+    group = next(g for g in ("ID", "OOD", "all") if g in summary)  # --eval-tasks may leave out a group
+    ax.set_title(f"In-Context Routing: {group} avg " + ", ".join(f"{m} {v:.2f}" for m, v in summary[group].items()),
                  fontsize=7)
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
 
-FINGERPRINT_IGNORES = ("out", "progress", "resume", "checkpoint_every", "data_dir")
+# which tasks are evaluated changes no task's numbers: a resume may evaluate more (or fewer) of them
+FINGERPRINT_IGNORES = ("out", "progress", "resume", "checkpoint_every", "data_dir", "eval_tasks")
 
 
 def fingerprint(args) -> str:
@@ -290,6 +408,9 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     model, variables, tokenizer = load_model(args.model)
+    eval_names = eval_task_names(args)
+    add_bos = BOS_FLAG[args.bos]
+    bos_used = bool(getattr(tokenizer, "adds_bos", False)) if add_bos is None else add_bos
     id_tasks = [linicl.data.load_task(t, args.data_dir) for t in args.id_tasks.split(",") if t]
     ood_tasks = [linicl.data.load_task(t, args.data_dir) for t in args.ood_tasks.split(",") if t]
     timings["load_s"] = timings.get("load_s", 0.0) + time.perf_counter() - t0  # paid again on resume
@@ -329,11 +450,13 @@ def main(argv=None) -> int:
 
     from tqdm.auto import tqdm
     results, task_s = prog.state["results"], prog.state["eval_task_s"]
-    for task in tqdm(id_tasks + ood_tasks, desc="evaluate", disable=not args.progress):
+    to_eval = [t for t in id_tasks + ood_tasks if t.name in eval_names]
+    bar = tqdm(to_eval, desc="evaluate", disable=not args.progress)
+    for task in bar:
         if task.name in results:
             continue
         t0 = time.perf_counter()
-        results[task.name] = evaluate_task(model, variables, tokenizer, task, methods, args)
+        results[task.name] = evaluate_task(model, variables, tokenizer, task, methods, args, bar)
         task_s[task.name] = time.perf_counter() - t0
         prog.save()
         log(f"{task.name} ({task_s[task.name]:.1f} s):",
@@ -344,12 +467,14 @@ def main(argv=None) -> int:
     timings["this_session_s"] = time.perf_counter() - t_session
     prog.save()
 
-    id_names, ood_names = [t.name for t in id_tasks], [t.name for t in ood_tasks]
-    results = {t: results[t] for t in id_names + ood_names}  # the order of the tasks, also on resume
+    id_names = [t.name for t in id_tasks if t.name in eval_names]
+    ood_names = [t.name for t in ood_tasks if t.name in eval_names]
+    results = {t: results[t] for t in id_names + ood_names}  # the tasks asked for, in order, also on resume
     summary = summarise(results, id_names, ood_names)
     text = table(results, summary, id_names, ood_names)
     command = "python experiments/routing.py " + " ".join(sys.argv[1:] if argv is None else argv)
     record = {"args": vars(args), "command": command, "fingerprint": fp, "resumed": prog.resumed,
+              "add_bos": bos_used, "eval_tasks": id_names + ood_names,
               "model": model.cfg.describe(), "routed_layers": list(pids.layers),
               "pids_explained_q": pids.explained_q.tolist(), "pids_explained_k": pids.explained_k.tolist(),
               "results": results, "summary": summary, "table": text,

@@ -48,9 +48,11 @@ SCRIPT = textwrap.dedent("""
     def inspecting_forward(v, tokens, lengths):
         jax.debug.inspect_array_sharding(tokens, callback=lambda s: seen.append(s))
         return last_token_logits(model)(v, tokens, lengths)
+    # first_content_token: one forward per batch, and gold log-probabilities to compare.
     a = evaluate(model, variables, tok, task, k=1, n_eval=7, batch_size=6, forward=inspecting_forward,
-                 progress=False)
-    b = evaluate(model, variables, tok, task, k=1, n_eval=7, batch_size=6, mesh=one, progress=False)
+                 progress=False, open_metric="first_content_token")
+    b = evaluate(model, variables, tok, task, k=1, n_eval=7, batch_size=6, mesh=one, progress=False,
+                 open_metric="first_content_token")
     out["eval_n"] = [a.n, b.n]
     out["eval_same_predictions"] = a.predictions == b.predictions and bool(np.all(a.correct == b.correct))
     out["eval_rel_err"] = rel_err(a.gold_logprob, b.gold_logprob)

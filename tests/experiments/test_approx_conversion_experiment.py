@@ -2,7 +2,7 @@
 
 The tiny Llama GGUF fixture stands in for SmolLM2 (``LINICL_SMOLLM2_GGUF``), so every code path runs in
 seconds: its 97-token tokenizer cannot score sst2 (label words are not single tokens), which must be
-recorded as skipped, while antonym (first-token accuracy) is scored. The run keeps every prompt token
+recorded as skipped, while antonym (first-content-token accuracy) is scored. The run keeps every prompt token
 as an exact sink in the sinks variant (``--sinks 1000``): that variant is then the exact prompted model,
 which checks the alignment of positions, query tokens and attention outputs end to end.
 """
@@ -10,17 +10,17 @@ which checks the alignment of positions, query tokens and attention outputs end 
 import json
 import math
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from helpers import REPO
 import linicl
 import linicl.lm
 from linicl.evaluate import evaluate
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = REPO
 SCRIPT = ROOT / "experiments" / "approx_conversion.py"
 TINY_GGUF = ROOT / "tests" / "fixtures" / "hf" / "llama-tiny.gguf"
 VARIANTS = ["taylor2", "prf", "elu+1", "lsq-prf", "taylor2+sinks1000", "taylor2-mix0.5"]
@@ -63,10 +63,11 @@ def test_quick_run_writes_complete_json_and_plots(tmp_path):
 
     entry = report["tasks"]["antonym"]
     cell = entry["k"]["1"]
-    assert entry["n"] == 4 and entry["metric"] == "first_token" and cell["prompt_len"] > 0
+    assert entry["n"] == 4 and entry["metric"] == "first_content_token" and cell["prompt_len"] > 0
     assert set(cell["methods"]) == {"zero", "prompt", *VARIANTS}
     for name, m in cell["methods"].items():
         assert m["accuracy"] == pytest.approx(sum(m["correct"]) / 4)
+        assert m["ci_low"] <= m["accuracy"] <= m["ci_high"] and m["constant"] == (m["distinct"] == 1)
         if name != "prompt":
             assert m["kl_full_mean"] >= -1e-6 and len(m["layer_rel_err"]) == 2 == len(m["layer_rel_err_last"])
             assert 0.0 <= m["agree_with_prompt"] <= 1.0
@@ -78,18 +79,26 @@ def test_quick_run_writes_complete_json_and_plots(tmp_path):
     assert max(cell["methods"]["zero"]["layer_rel_err"]) > 1e-2
     assert cell["methods"]["lsq-prf"]["state_floats"] > 0 and cell["fit_inputs_shape"][0] >= 1
 
-    # The prompted and zero-shot accuracies are those of linicl.evaluate on the same prompts.
+    # The prompted and zero-shot accuracies are those of linicl.evaluate on the same prompts, scored
+    # by the gold answer's first content token (after its blank prefix, if the tokenizer has one).
     model, variables, tok = linicl.lm.from_pretrained(TINY_GGUF, max_len=2048)
     task = linicl.data.load_task("antonym")
     for k, name in ((1, "prompt"), (0, "zero")):
         res = evaluate(model, variables, tok, task, k=k, n_eval=4, same_demos=True,
-                       add_bos=report["settings"]["add_bos"], progress=False)
+                       add_bos=report["settings"]["add_bos"], progress=False, open_metric="first_content_token")
         assert res.correct.astype(int).tolist() == cell["methods"][name]["correct"]
         assert res.pred_ids.tolist() == cell["methods"][name]["predictions"]
 
     rec = report["recovery"]
     assert set(rec["per_task_pooled"]) == {"antonym"} and isinstance(rec["target_met"], bool)
-    assert set(rec["per_task_pooled"]["antonym"]["fraction"]) == set(VARIANTS)
+    pooled = rec["per_task_pooled"]["antonym"]
+    assert set(pooled["fraction"]) == set(VARIANTS)
+    assert pooled["gain"]["low"] <= pooled["gain"]["value"] <= pooled["gain"]["high"]
+    if not pooled["significant"]:  # no share of a gain that may be zero
+        assert all(f is None for f in pooled["fraction"].values())
+    # the exact variant is the prompted model: no difference on any query
+    assert pooled["vs_prompt"]["taylor2+sinks1000"] == dict(value=0.0, low=0.0, high=0.0)
+    assert report["settings"]["bos"] == "auto" and report["settings"]["add_bos"] is False
 
     syn = report["synthetic"]
     assert syn["settings"]["pairs"] == 4 and not syn["skipped"]
@@ -97,4 +106,4 @@ def test_quick_run_writes_complete_json_and_plots(tmp_path):
     assert syn["methods"]["prompt"]["logit_rel_err_mean"] == 0.0
     assert syn["methods"]["taylor2+sinks1000"]["logit_rel_err_median"] < 1e-4
     assert syn["methods"]["zero"]["logit_rel_err_median"] > 1e-2
-    assert report["timing"]["total_s"] > 0 and "| antonym | 1 | 4 |" in run.stdout
+    assert report["timing"]["total_s"] > 0 and "| antonym | 1 | 4 |" in run.stdout and "Wilson" in run.stdout

@@ -1,0 +1,186 @@
+"""RESULTS.md: every experiment's headline table, with the command, date and machine that made it.
+
+    python experiments/results.py --run            # run what has no result yet, then write RESULTS.md
+    python experiments/results.py                  # only (re)write RESULTS.md from results/
+    python experiments/results.py --run --only verify implicit_regression
+    python experiments/results.py --run --quick    # the quick modes (CI-sized; says so in RESULTS.md)
+
+Each experiment runs as its own process (``sys.executable experiments/<script> ...``) writing into
+``results/<name>/``; its printed output is kept there (``stdout.txt``), with the exact command and its
+wall time (``run.json``). A finished experiment is not run again unless ``--force`` (the long ones
+resume from their own checkpoints when they support it). The headline of a section is the table the
+experiment itself stored in its JSON (``"table"``; intervals included), else the table it printed.
+Small PNG plots are copied to ``docs/results/`` (committed) and linked. Each section also says what
+the papers publish to compare with, and says so when they publish nothing comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+# name -> (title, script, default arguments, quick arguments, JSON file, plots, reference note)
+EXPERIMENTS = {
+    "verify": dict(
+        title="Exact conversion on the zoo (`linicl verify`)",
+        cmd=["-m", "linicl.cli", "verify"], quick=["--quick"], json="verify.json", plots=[],
+        reference="ICLCA (arXiv 2406.02847) proves the identity; it publishes no table of numerical "
+                  "errors to compare with. Our tolerance: 1e-12 relative in float64."),
+    "bias_training": dict(
+        title="Trainable bias terms on the induction task (ICLCA Fig. 1)",
+        cmd=["experiments/bias_training.py"], quick=["--quick"], json="bias_training.json",
+        plots=["bias_training.png"],
+        reference="ICLCA Fig. 1 (arXiv 2406.02847) shows the training curves of the three arms; its "
+                  "numbers are not transcribed here, compare the plot's shape."),
+    "icl_baselines": dict(
+        title="Zero- vs k-shot ICL of SmolLM2-135M-Instruct",
+        cmd=["experiments/icl_baselines.py"], quick=["--quick"], json="icl_baselines.json",
+        plots=["icl_baselines.png"],
+        reference="No paper reports SmolLM2-135M on these tasks; the ICR paper's baselines are for larger "
+                  "models (routing.md)."),
+    "approx_conversion": dict(
+        title="Approximate conversion of softmax prompts on SmolLM2",
+        cmd=["experiments/approx_conversion.py"], quick=["--quick"], json="approx_conversion.json",
+        plots=["accuracy.png", "kl.png"],
+        reference="ICLCA (iclca.md section 7) describes the kernel approximation and its synthetic test; "
+                  "it publishes no numbers for a pretrained LM."),
+    "routing": dict(
+        title="In-Context Routing on SmolLM2 (ID and OOD tasks, random-basis control)",
+        cmd=["experiments/routing.py", "--resume"], quick=["--quick"], json="routing.json",
+        plots=["routing.png"],
+        reference="ICR (arXiv 2509.22854) reports results for larger LMs (routing.md); none for SmolLM2."),
+    "implicit_regression": dict(
+        title="Implicit weight updates on in-context regression (Innocenti & Achour Fig. 1)",
+        cmd=["experiments/implicit_regression.py"], quick=["--quick"],
+        json="implicit_regression_none_float32.json", plots=["implicit_regression_none_float32_fig1.png"],
+        reference="Innocenti & Achour (arXiv 2512.11255) Fig. 1: per-block MSD between the model and its "
+                  "implicit version of about 1e-14 in float32 (their code, worst block 3.6e-13)."),
+    "implicit_dherin": dict(
+        title="Dherin et al.: one block, context as a rank-1 weight update",
+        cmd=["experiments/implicit_dherin.py"], quick=["--quick"], json="implicit_dherin_float32.json",
+        plots=["implicit_dherin_float32.png"],
+        reference="Dherin et al. (arXiv 2507.16003) show the loss with context and with ΔW coincide; "
+                  "their figures are qualitative."),
+    "iclca_speed": dict(
+        title="Benchmark: conversion and kernel forms",
+        cmd=["experiments/benchmarks/iclca_speed.py"], quick=["--quick"], json="iclca_speed.json",
+        plots=["iclca_speed.png"], reference="Ratios against the prompted model measured in the same run."),
+    "implicit_speed": dict(
+        title="Benchmark: implicit-update operators",
+        cmd=["experiments/benchmarks/implicit_speed.py"], quick=["--quick"], json="implicit_speed.json",
+        plots=["implicit_speed.png"], reference="Ratios against one forward pass measured in the same run."),
+    "lm_speed": dict(
+        title="Benchmark: GPT-2-small-sized forward and SmolLM2",
+        cmd=["experiments/benchmarks/lm_speed.py"], quick=["--quick"], json="lm_speed.json",
+        plots=["lm_speed.png"],
+        reference="HF PyTorch eager on the same weights, measured in the same run when torch is available."),
+}
+
+
+def _out(results: Path, name: str) -> Path:
+    return results / name
+
+
+def run_one(name: str, results: Path, quick: bool, force: bool) -> None:
+    spec = EXPERIMENTS[name]
+    out = _out(results, name)
+    if (out / spec["json"]).exists() and not force:
+        print(f"{name}: result exists ({out / spec['json']}); --force to run again")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [PY, *spec["cmd"], *(spec["quick"] if quick else []), "--out", str(out)]
+    print(f"{name}: {' '.join(cmd[1:])}", flush=True)
+    start = time.time()
+    with open(out / "stdout.txt", "w") as log:
+        code = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    record = dict(command=" ".join(["python", *cmd[1:]]), quick=quick, exit_code=code,
+                  wall_s=round(time.time() - start, 1),
+                  date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    (out / "run.json").write_text(json.dumps(record, indent=1))
+    print(f"{name}: exit {code} after {record['wall_s']} s", flush=True)
+
+
+def _headline(name: str, report: dict, out: Path) -> str:
+    if isinstance(report.get("table"), str):
+        return report["table"]
+    if name == "verify":
+        from linicl.verify import format_table
+        return "```\n" + format_table(report) + "\n```"
+    printed = (out / "stdout.txt").read_text(errors="replace") if (out / "stdout.txt").exists() else ""
+    lines = [ln for ln in printed.splitlines() if ln.strip() and "\r" not in ln and "it/s]" not in ln
+             and not ln.startswith("wrote ")]
+    return "```\n" + "\n".join(lines[-40:]) + "\n```" if lines else "(no table)"
+
+
+def _machine(report: dict) -> str:
+    m = report.get("machine") or {}
+    if not m:
+        return "not recorded"
+    return ", ".join(f"{k} {m[k]}" for k in ("platform", "cpu_count", "jax") if k in m)
+
+
+def section(name: str, results: Path, figures: Path, base: Path) -> str:
+    spec = EXPERIMENTS[name]
+    out = _out(results, name)
+    head = f"## {spec['title']}\n\n"
+    if not (out / spec["json"]).exists():
+        return head + f"Not run yet: `python experiments/results.py --run --only {name}`.\n"
+    report = json.loads((out / spec["json"]).read_text())
+    run = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
+    lines = [head.rstrip("\n"), "",
+             f"- command: `{run.get('command', 'not recorded (run outside experiments/results.py)')}`"
+             + (" (quick mode: CI-sized, not the experiment's default sizes)" if run.get("quick") else ""),
+             f"- date: {run.get('date', 'not recorded')}; wall time: {run.get('wall_s', '?')} s; "
+             f"machine: {_machine(report)}",
+             f"- papers: {spec['reference']}", "", _headline(name, report, out), ""]
+    for png in spec["plots"]:
+        if (out / png).exists():
+            figures.mkdir(parents=True, exist_ok=True)
+            target = figures / f"{name}_{png}"
+            shutil.copyfile(out / png, target)
+            lines.append(f"![{name} {png}]({Path(os.path.relpath(target, base)).as_posix()})")
+    return "\n".join(lines) + "\n"
+
+
+def write(results: Path, path: Path, figures: Path) -> None:
+    parts = ["# Results\n",
+             "Every number below was measured by the command shown, on the machine shown (`make results` "
+             "regenerates this file; `python experiments/results.py --run --only NAME` one section). "
+             "Accuracies carry 95 % Wilson intervals and differences of methods on the same queries paired "
+             "bootstrap intervals (`linicl.stats`).\n"]
+    parts += [section(name, results, figures, path.parent) for name in EXPERIMENTS]
+    path.write_text("\n".join(parts))
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="store_true", help="run the experiments that have no result yet")
+    p.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), help="these experiments only")
+    p.add_argument("--quick", action="store_true", help="quick modes (CI-sized)")
+    p.add_argument("--force", action="store_true", help="run again even when a result exists")
+    p.add_argument("--results", default=str(ROOT / "results"), help="results folder (default: results/)")
+    p.add_argument("--output", default=str(ROOT / "RESULTS.md"), help="the file to write")
+    p.add_argument("--figures", default=str(ROOT / "docs" / "results"), help="where plots are copied")
+    args = p.parse_args(argv)
+    results = Path(args.results)
+    if args.run:
+        for name in args.only or EXPERIMENTS:
+            run_one(name, results, args.quick, args.force)
+    write(results, Path(args.output), Path(args.figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
