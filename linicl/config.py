@@ -13,8 +13,9 @@ import jax.numpy as jnp
 
 from linicl.errors import ConfigError
 from linicl.kernels.feature_maps import feature_dim
-from linicl.names import (ACTIVATIONS, ATTENTION_KINDS, DTYPES, FEATURE_MAPS, FORMS, MLPS,  # noqa: F401
-                          NONNEGATIVE_MAPS, NORM_TYPES, NORMS, POSITIONS, ROPE_STYLES, SKIPS)
+from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, DTYPES, FEATURE_MAPS,  # noqa: F401
+                          FORMS, MLPS, NONNEGATIVE_MAPS, NORM_TYPES, NORMS, POSITIONS, ROPE_ON,
+                          ROPE_STYLES, SKIPS)
 
 
 def _choice(field: str, value, choices) -> None:
@@ -27,6 +28,11 @@ def _positive_int(field: str, value) -> None:
         raise ConfigError(f"ModelConfig.{field} must be a positive int, got {value!r}")
 
 
+def _nonnegative_int(field: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"ModelConfig.{field} must be an int >= 0, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Everything that defines a model of the zoo.
@@ -35,14 +41,30 @@ class ModelConfig:
       vocab_size, d_model, n_layers, n_heads, d_ff, max_len: sizes. ``max_len`` bounds the positions a
         model with learned positions can embed, and the length of a softmax decode cache.
       attention: ``"linear"`` (exactly convertible) or ``"softmax"``.
-      feature_map: linear attention's phi: ``"elu+1"``, ``"relu"``, ``"identity"`` or ``"taylor2"``
-        (phi(q).phi(k) = 1 + s + s^2/2 with s = q.k/sqrt(d_head)).
+      feature_map: linear attention's phi: ``"elu+1"``, ``"relu"``, ``"identity"``, ``"taylor2"``
+        (phi(q).phi(k) = 1 + s + s^2/2 with s = q.k/sqrt(d_head)) or the learned ``"hedgehog"``
+        (phi(x) = [softmax(xW + b), softmax(-(xW + b))], separate maps for queries and keys per
+        layer and head, initialised to W = identity, b = 0: ``linicl.kernels.feature_maps``).
+      feature_size: hedgehog's m (d_phi = 2m); 0 means m = d_head. Hedgehog only.
       normalize: divide by phi(q).z (Katharopoulos); ``False`` is the unnormalised linear attention of
         the theory papers.
       decay: ``None``, one gamma for every head, or one per head (RetNet-style), each in (0, 1].
       positions: ``"none"``, ``"learned"`` absolute embeddings, or ``"rope"``. In linear attention the
         rotation acts on the features phi(q), phi(k) of the numerator only; the normaliser uses the
         unrotated features, so it stays positive and the model depends on t - i only.
+      rope_on: where rope acts in linear attention: ``"features"`` (above; relative, a converted
+        state is re-based and the query restarts at position 0) or ``"inputs"`` (q, k are rotated
+        before phi, as LoLCATs does for rope-trained teachers; phi(R_t q).phi(R_i k) depends on
+        absolute positions, the normaliser uses the same features, and a converted model continues
+        at the prompt's length: the offset is kept in the ``position`` collection).
+      window: linear attention with an exact softmax window (the LoLCATs hybrid): the current token
+        and the ``window - 1`` before it are weighted g_h exp(q.k/sqrt(d) - c_t), older keys
+        phi(q).phi(k), under one shared normaliser; g_h = sigmoid(``gate``), a per-head parameter
+        initialised to 0 (g_h = 1/2), c_t the row maximum of the exact logits. With decay both
+        parts are weighted gamma^(t - i). 0: no window (plain linear attention).
+      sinks: tokens at absolute positions < ``sinks`` stay exact for every later query. With a
+        window or sinks the exact logits use the rotated q, k (rope, for either ``rope_on``), the
+        state is never re-based and the query keeps absolute positions (the offset is kept).
       norm: ``"pre"`` (with a final norm), ``"post"`` or ``"none"`` (no norm in the blocks).
       norm_type: ``"layernorm"`` (GPT-2: scale and bias) or ``"rmsnorm"`` (Llama: scale only).
       skip: how a block without norms adds its parts (``norm="none"`` only; the implicit-update
@@ -75,6 +97,7 @@ class ModelConfig:
     max_len: int = 256
     attention: str = "linear"
     feature_map: str = "elu+1"
+    feature_size: int = 0
     normalize: bool = True
     decay: Union[None, float, Sequence[float]] = None
     positions: str = "none"
@@ -86,6 +109,9 @@ class ModelConfig:
     mlp_depth: int = 2
     n_kv_heads: Optional[int] = None
     rope_style: str = "interleaved"
+    rope_on: str = "features"
+    window: int = 0
+    sinks: int = 0
     activation: str = "gelu_tanh"
     use_bias: bool = True
     attn_bias: Optional[bool] = None
@@ -104,7 +130,8 @@ class ModelConfig:
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size",
                   "mlp_depth"):
             _positive_int(f, getattr(self, f))
-        for f, choices in (("attention", ATTENTION_KINDS), ("feature_map", FEATURE_MAPS),
+        for f, choices in (("attention", ATTENTION_KINDS), ("feature_map", ALL_FEATURE_MAPS),
+                           ("rope_on", ROPE_ON),
                            ("positions", POSITIONS), ("norm", NORMS), ("norm_type", NORM_TYPES),
                            ("skip", SKIPS), ("mlp", MLPS), ("rope_style", ROPE_STYLES),
                            ("activation", ACTIVATIONS), ("form", FORMS), ("dtype", DTYPES)):
@@ -114,6 +141,7 @@ class ModelConfig:
                               f"n_heads ({self.n_heads})")
         self._check_structure()
         self._check_decay()
+        self._check_finite_state()
         if self.attention == "linear" and self.normalize and self.feature_map not in NONNEGATIVE_MAPS:
             raise ConfigError(
                 f"ModelConfig.normalize=True needs a non-negative feature map {NONNEGATIVE_MAPS}; "
@@ -138,6 +166,29 @@ class ModelConfig:
         if not self.causal and self.attention != "softmax":
             raise ConfigError("ModelConfig.causal=False needs attention='softmax' (linear attention "
                               "is defined here by its causal state)")
+
+    def _check_finite_state(self) -> None:
+        """The options of the linearised models: hedgehog, rope on the inputs, window and sinks."""
+        for f in ("feature_size", "window", "sinks"):
+            _nonnegative_int(f, getattr(self, f))
+        if self.feature_size and self.feature_map != "hedgehog":
+            raise ConfigError(f"ModelConfig.feature_size sets hedgehog's m; it needs "
+                              f"feature_map='hedgehog' (got {self.feature_map!r})")
+        if self.attention != "linear":
+            for f, default in (("feature_map", "hedgehog"), ("rope_on", "inputs")):
+                if getattr(self, f) == default:
+                    raise ConfigError(f"ModelConfig.{f}={default!r} applies to attention='linear' only")
+            for f in ("window", "sinks"):
+                if getattr(self, f):
+                    raise ConfigError(f"ModelConfig.{f} adds an exact softmax part to linear attention; "
+                                      f"it needs attention='linear' (got {self.attention!r})")
+        if self.rope_on == "inputs" and self.positions != "rope":
+            raise ConfigError(f"ModelConfig.rope_on='inputs' needs positions='rope' "
+                              f"(got {self.positions!r})")
+        for f in ("window", "sinks"):
+            if getattr(self, f) and not self.normalize:
+                raise ConfigError(f"ModelConfig.{f} needs normalize=True: the exact and the linear "
+                                  f"parts share one normaliser")
 
     def _check_decay(self) -> None:
         if self.decay is None:
@@ -177,7 +228,30 @@ class ModelConfig:
     @property
     def feature_dim(self) -> int:
         """d_phi, the width of phi(k) and so of the state S: [d_phi, d_head]."""
-        return feature_dim(self.feature_map, self.head_dim)
+        return feature_dim(self.feature_map, self.head_dim, self.feature_size)
+
+    @property
+    def hedgehog_size(self) -> int:
+        """Hedgehog's m (the width of each softmax half)."""
+        return self.feature_size or self.head_dim
+
+    @property
+    def hybrid(self) -> bool:
+        """Linear attention with an exact softmax window or sinks (the LoLCATs hybrid)."""
+        return self.attention == "linear" and (self.window > 0 or self.sinks > 0)
+
+    @property
+    def keeps_offset(self) -> bool:
+        """Whether a stored prompt keeps absolute positions: the query continues at the prompt's
+        length (``position/offset``), because the model depends on absolute positions."""
+        return self.positions == "learned" or self.hybrid or (
+            self.attention == "linear" and self.positions == "rope" and self.rope_on == "inputs")
+
+    @property
+    def rebases_state(self) -> bool:
+        """Linear attention with rope on the features and nothing absolute: a stored state is
+        re-based by R(-n) and the next token sits at position 0."""
+        return self.attention == "linear" and self.positions == "rope" and not self.keeps_offset
 
     @property
     def jnp_dtype(self):
@@ -198,13 +272,17 @@ class ModelConfig:
         """A one-line summary of the options that matter for exactness."""
         parts = [self.attention, f"L{self.n_layers}", f"H{self.n_heads}", f"d{self.d_model}"]
         if self.attention == "linear":
-            parts += [self.feature_map, "norm" if self.normalize else "unnorm"]
+            parts += [self.feature_map + (f"{self.hedgehog_size}" if self.feature_map == "hedgehog" else ""),
+                      "norm" if self.normalize else "unnorm"]
+            if self.window or self.sinks:
+                parts.append(f"window={self.window}/sinks={self.sinks}")
             if self.decay is not None:
                 parts.append("decay=" + (f"{self.decay}" if not isinstance(self.decay, tuple)
                                          else "per-head"))
         if self.kv_heads != self.n_heads:
             parts.append(f"kv{self.kv_heads}")
-        parts += [f"pos={self.positions}" + (f"/{self.rope_style}" if self.positions == "rope" else "")]
+        parts += [f"pos={self.positions}" + (f"/{self.rope_style}" if self.positions == "rope" else "")
+                  + ("/inputs" if self.rope_on == "inputs" else "")]
         parts.append(f"{self.norm}-{'RMS' if self.norm_type == 'rmsnorm' else 'LN'}"
                      if self.norm != "none" else f"no-norm/{self.skip}")
         if self.mlp == "gated":

@@ -3,8 +3,8 @@
 In causal linear attention a prompt acts on later tokens only through each layer's and head's state
 (S = sum phi(k) v^T, z = sum phi(k)). ``convert`` runs the model once over the prompt and stores every
 layer's final state, re-based for rope, in the ``"prompt_state"`` collection of an ordinary variables
-dict, plus the query's first position in ``"position"`` (``offset``; it moves for learned positions
-only)::
+dict, plus the query's first position in ``"position"`` (``offset``; it moves when the model depends
+on absolute positions: learned positions, rope on the inputs, a window or sinks)::
 
     converted = convert(model, variables, prompt)                       # prompt int32[batch or 1, n]
     model.apply(converted, query) == model.apply(variables, concat([prompt, query], 1))[:, n:]
@@ -77,8 +77,10 @@ def convert(model, variables: Variables, prompt) -> dict:
       prompt: ``int32[batch, n]``. A batch-1 prompt serves queries of any batch size.
     Returns:
       A new variables dict: ``variables`` with the ``"prompt_state"`` collection holding, per layer
-      ``layers_l/attn``, ``S: [batch, heads, d_phi, d_head]`` and ``z: [batch, heads, d_phi]``, and
-      ``"position"`` holding the query's first position ``offset`` (learned positions; 0 otherwise).
+      ``layers_l/attn``, ``S: [batch, heads, d_phi, d_head]`` and ``z: [batch, heads, d_phi]`` (with
+      a window or sinks also the buffers of ``kernels.hybrid_attention.HybridState``), and
+      ``"position"`` holding the query's first position ``offset`` (``ModelConfig.keeps_offset``:
+      the prompt's end; 0 otherwise).
     Raises:
       NotExactError: softmax model. LiniclError: bad prompt or variables.
       SequenceTooLongError: learned positions and offset + n > max_len.
@@ -102,6 +104,11 @@ def to_trainable(model, converted: Variables):
     batch 1; a learned-positions offset stays in the ``"position"`` collection (it is not a weight).
     """
     cfg = require_exact(model)
+    if cfg.hybrid:
+        raise LiniclError(
+            f"to_trainable cannot move a window/sinks state into params (window={cfg.window}, "
+            f"sinks={cfg.sinks}): the window's and the sinks' keys and values are exact softmax "
+            f"entries with positions, not a bias of the linear state; keep the converted variables")
     terms = bias_terms(converted)
     if terms[0][0].shape[0] != 1:
         raise LiniclError(f"to_trainable needs a state converted from a batch-1 prompt, got batch "
@@ -143,12 +150,23 @@ def bias_terms(variables: Variables) -> list[tuple[jax.Array, jax.Array]]:
         raise LiniclError(f"variables hold no converted prompt (no '{PROMPT_STATE}' collection); call convert")
     layers = variables[PROMPT_STATE]
     scopes = sorted((k for k in layers if scope_layer(k) is not None), key=scope_layer)
+    if any(len(layers[s]["attn"]) > 2 for s in scopes):
+        raise LiniclError(
+            "bias_terms returns (S, z) only, but this prompt state also holds window/sinks buffers "
+            f"({sorted(layers[scopes[0]]['attn'])}); read variables['{PROMPT_STATE}'] directly")
     return [(layers[s]["attn"]["S"], layers[s]["attn"]["z"]) for s in scopes]
 
 
 def state_floats(cfg: ModelConfig) -> int:
-    """Floats stored per prompt (batch 1), independent of the prompt length: L * H * (d_phi * d_v + d_phi)."""
-    return cfg.n_layers * cfg.n_heads * (cfg.feature_dim * cfg.head_dim + cfg.feature_dim)
+    """Floats stored per prompt (batch 1), independent of the prompt length: L * H * (d_phi * d_v + d_phi),
+    plus, with a window or sinks, per buffered token its key, two feature vectors and value
+    ((window - 1) * (d + 2 d_phi + d_v)) and per sink its key and value (sinks * (d + d_v)). The
+    buffers' int32 positions are not counted."""
+    F, d = cfg.feature_dim, cfg.head_dim
+    per_head = F * d + F
+    if cfg.hybrid:
+        per_head += max(cfg.window - 1, 0) * (d + 2 * F + d) + cfg.sinks * (d + d)
+    return cfg.n_layers * cfg.n_heads * per_head
 
 
 # ------------------------------------------------------------------------------ approximate (softmax)

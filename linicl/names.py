@@ -10,15 +10,20 @@ collection          what it holds
 ==================  ================================================================================
 ``prompt_state``    the exact state a prompt left in each linear-attention layer, per layer
                     ``layers_l/attn/S: [batch or 1, heads, d_phi, d_head]`` and ``z: [.., heads,
-                    d_phi]`` (``iclca.convert``; re-based for rope). Read as every later call's
-                    initial state.
+                    d_phi]`` (``iclca.convert``; re-based for rope on the features). A layer with a
+                    softmax window or sinks also keeps the fields of
+                    ``linicl.kernels.hybrid_attention.HybridState`` (``win_*``, ``sink_*``: the
+                    window's and the sinks' keys, features, values and positions). Read as every
+                    later call's initial state.
 ``prompt_approx``   a softmax layer's kernel-approximated prompt, per layer ``layers_l/attn/approx``
                     (a ``linicl.iclca.PromptApprox``; ``iclca.convert_approx``).
 ``position``        ``offset: int32[]``, the position of the first token a call reads (a prompt
-                    converted in a model with learned positions, or approximately converted).
+                    converted in a model with learned positions, rope on the inputs, a window or
+                    sinks; or approximately converted).
 ``decode``          the running state of a decode (``linicl.generate``): softmax layers' key/value
                     cache (``cached_k``, ``cached_v``, ``k_pos``, ``index``), linear layers' running
-                    ``S``, ``z`` (which, when present, replaces ``prompt_state``: it started from it),
+                    state (``S``, ``z`` and any window/sink buffers; when present it replaces
+                    ``prompt_state``: it started from it),
                     and ``n_tokens``, the tokens read so far.
 ``interventions``   edits at named sites (``linicl.interventions``).
 ``intermediates``   activations captured at named sites (when the collection is mutable).
@@ -36,7 +41,13 @@ from typing import Optional, Sequence, Tuple
 
 # ------------------------------------------------------------------------------ enumerations
 ATTENTION_KINDS = ("linear", "softmax")
-FEATURE_MAPS = ("elu+1", "relu", "identity", "taylor2")
+FEATURE_MAPS = ("elu+1", "relu", "identity", "taylor2")  # fixed maps: phi(x) alone
+# Maps with parameters per layer and head (``phi(x; W, b)``); ModelConfig accepts both kinds.
+LEARNED_FEATURE_MAPS = ("hedgehog",)
+ALL_FEATURE_MAPS = FEATURE_MAPS + LEARNED_FEATURE_MAPS
+# Where rotary positions act in linear attention: on the features phi(q), phi(k) of the numerator
+# (relative; the state is re-based), or on q, k before phi (absolute; the offset is kept).
+ROPE_ON = ("features", "inputs")
 POSITIONS = ("none", "learned", "rope")
 NORMS = ("pre", "post", "none")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -48,7 +59,7 @@ FORMS = ("auto", "parallel", "chunked", "recurrent")
 DTYPES = ("float32", "float64", "bfloat16")
 # Feature maps whose inner products phi(q).phi(k) are never negative (a normalised linear attention
 # then has a positive denominator, up to the model's own epsilon).
-NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2")
+NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2", "hedgehog")
 APPROX_KERNELS = ("taylor2", "prf", "elu+1")  # iclca.convert_approx
 APPROX_FORMS = ("shared", "mix")
 EDIT_OPS = ("add", "scale", "replace", "fn")  # linicl.nn.hooks.Edit

@@ -49,6 +49,14 @@ def zoo() -> dict[str, ModelConfig]:
         "elu-unnorm-rope-post": dict(normalize=False, positions="rope", norm="post", activation="silu"),
         "elu-trainable-bias-decay": dict(trainable_bias=True, decay=0.9, tie_embeddings=False),
         "elu-recurrent-form": dict(form="recurrent", positions="rope", use_bias=False),
+        # Linearised-LM options: learned hedgehog maps (identity init), rope before phi, LoLCATs'
+        # exact window + sinks (the state is bounded; the query keeps the prompt's offset).
+        "hedgehog-rope-inputs": dict(feature_map="hedgehog", positions="rope", rope_on="inputs",
+                                     rope_style="half", n_kv_heads=2),
+        "hedgehog-window16-sinks4": dict(feature_map="hedgehog", positions="rope", rope_on="inputs",
+                                         window=16, sinks=4, rope_style="half", n_kv_heads=2),
+        "elu-window8-sinks2-decay": dict(window=8, sinks=2, decay=0.97, positions="learned",
+                                         form="recurrent"),
         "softmax-learned": dict(attention="softmax", positions="learned"),
         "softmax-rope": dict(attention="softmax", positions="rope", norm="post"),
     }
@@ -62,6 +70,13 @@ def _random_variables(model: Transformer, seed: int):
         variables = jax.tree_util.tree_map_with_path(
             lambda p, x: (0.3 * jax.random.normal(key, x.shape, x.dtype) if p[-1].key == "S_bias" else
                           jnp.abs(jax.random.normal(key, x.shape, x.dtype)) if p[-1].key == "z_bias" else x),
+            variables)
+    learned = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate")
+    if model.cfg.feature_map == "hedgehog" or model.cfg.hybrid:  # trained-looking maps and gates
+        key = jax.random.PRNGKey(seed + 11)
+        variables = jax.tree_util.tree_map_with_path(
+            lambda p, x: (x + 0.3 * jax.random.normal(jax.random.fold_in(key, learned.index(p[-1].key)),
+                                                      x.shape, x.dtype) if p[-1].key in learned else x),
             variables)
     return variables
 

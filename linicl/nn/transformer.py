@@ -2,9 +2,11 @@
 
 Positions: the first token of a call sits at ``offset`` (``variables["position"]["offset"]``, 0 when
 absent) plus, while decoding (``mutable=["decode"]``), the number of tokens already read, kept in
-``decode/n_tokens`` (except in linear attention with rope, whose state is re-based so that its next
-token always sits at position 0). With ``mutable=["prompt_state", "position"]`` (``iclca.convert``)
-a call also advances ``offset`` for learned positions (rope states are re-based instead).
+``decode/n_tokens`` (except in linear attention with rope on the features, whose state is re-based so
+that its next token always sits at position 0). With ``mutable=["prompt_state", "position"]``
+(``iclca.convert``) a call also advances ``offset`` when the model depends on absolute positions
+(``ModelConfig.keeps_offset``: learned positions, rope on the inputs, a window or sinks); re-based
+rope states need none.
 """
 
 from __future__ import annotations
@@ -106,11 +108,11 @@ class Transformer(nn.Module):
             read = self.variable(DECODE, "n_tokens", lambda: jnp.zeros((), jnp.int32))
             if cfg.attention == "softmax":
                 check_fits("tokens", read.value, T, cfg.max_len, "the decode cache")
-            if not (cfg.attention == "linear" and cfg.positions == "rope"):  # re-based instead
+            if not cfg.rebases_state:  # a re-based state restarts at 0 instead
                 start = offset + read.value
             read.value = read.value + T
         if cfg.positions == "learned":
             check_fits("tokens", start, T, cfg.max_len, "learned positions")
         if advancing(self, POSITION):
-            self.put_variable(POSITION, "offset", offset + T if cfg.positions == "learned" else offset)
+            self.put_variable(POSITION, "offset", offset + T if cfg.keeps_offset else offset)
         return start + jnp.arange(T, dtype=jnp.int32)
