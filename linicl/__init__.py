@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 
 # Public submodules, loaded on first attribute access.
 SUBMODULES = ("activations", "batching", "checkpoint", "cli", "compiled", "config", "data", "diagnostics",
-              "errors", "evaluate", "generation", "iclca", "implicit", "interventions", "kernels", "lm",
+              "errors", "evaluate", "generation", "iclca", "implicit", "interventions", "kernels", "linearize", "lm",
               "memory", "metrics", "names", "nn", "parallel", "reporting", "routing", "stats", "timing", "verify")
 
 

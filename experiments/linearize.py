@@ -1,0 +1,247 @@
+"""Linearize SmolLM2 by attention transfer, then ask how much of its in-context learning survives in a
+model whose prompt is a finite state (and so converts into weights exactly).
+
+1. Stage 1 (``linicl.linearize.train_maps``): hedgehog maps plus an exact softmax window and sinks,
+   trained so that every layer's attention output matches the softmax layer's on the teacher's own
+   inputs, on few-shot text rendered from the tasks' training splits. Resumable (``OUT/stage1.safetensors``);
+   the trained maps are written to ``OUT/maps.safetensors`` (``--maps PATH`` loads maps instead).
+2. Held-out next-token loss (text rendered from the test splits, never trained on) of the softmax
+   model and the student, by position bucket; also the student read with other windows/sinks than it
+   was trained with (the same maps: says how much the window carries).
+3. ICL: zero- and k-shot exact-match accuracy on word tasks for the softmax model, the student, and
+   the student after ``iclca.convert`` of the demonstrations (the query read alone: by construction
+   the same predictions, checked), with Wilson intervals and the share of the softmax model's
+   few-shot gain the student keeps (``linicl.stats``).
+4. Converted-query time and state size against prompt length, against the prompted student.
+
+    python experiments/linearize.py --quick                  # tiny fixture model, CI-sized
+    python experiments/linearize.py                          # SmolLM2 (stage 1 ~ 200 steps)
+    python experiments/linearize.py --maps OUT/maps.safetensors --steps 0   # evaluate given maps
+
+Writes ``OUT/linearize.json`` (every number), ``OUT/linearize.png``; prints the tables first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import linicl
+from linicl import data, iclca, linearize, reporting, stats
+from linicl.evaluate import evaluate_prompts
+from linicl.timing import time_call
+
+WORD_TASKS = ("present-past", "singular-plural", "capitalize", "country-capital")
+TRAIN_TASKS = ("sst2", "trec", "agnews", "cb", "antonym", "synonym", "present-past", "singular-plural",
+               "capitalize", "country-capital", "country-currency", "english-french", "english-spanish",
+               "landmark-country", "person-occupation", "sentiment")
+BOS_FLAG = {"auto": None, "on": True, "off": False}
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf", "llama-tiny.gguf")
+
+
+def parse_args(argv=None):
+    p = reporting.argument_parser(__doc__)
+    reporting.add_common_args(p, out="results/linearize", quick="a tiny fixture model, a few steps (CI)",
+                              seed="seeds the training text, batches and evaluation queries", data_dir=True,
+                              plots=True)
+    p.add_argument("--model", default=None, help="teacher checkpoint (default SmolLM2; --quick: a tiny fixture)")
+    p.add_argument("--window", type=int, default=16)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--feature-size", type=int, default=0, help="hedgehog m (0: d_head)")
+    p.add_argument("--rope-on", choices=("inputs", "features"), default="inputs")
+    p.add_argument("--train-seqs", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--maps", default=None, help="load trained maps instead of training")
+    p.add_argument("--eval-seqs", type=int, default=16)
+    p.add_argument("--eval-len", type=int, default=512)
+    p.add_argument("--tasks", nargs="+", default=list(WORD_TASKS), help="word tasks for the ICL table")
+    p.add_argument("--k", nargs="+", type=int, default=[0, 1, 4, 8])
+    p.add_argument("--n-eval", type=int, default=24)
+    p.add_argument("--bos", choices=list(BOS_FLAG), default="auto")
+    p.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 4096],
+                   help="prompt lengths of the timing table")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model = args.model or FIXTURE
+        args.train_seqs, args.seq_len, args.steps, args.batch_size = 16, 32, 4, 4
+        args.eval_seqs, args.eval_len, args.tasks, args.k, args.n_eval = 4, 64, ["antonym"], [0, 1], 4
+        args.window, args.sinks, args.lengths = 4, 1, [32, 128]
+    for name in ("steps", "train_seqs", "seq_len", "batch_size", "eval_seqs", "eval_len", "n_eval"):
+        if getattr(args, name) < (0 if name == "steps" else 1):
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return args
+
+
+def load_teacher(args):
+    max_len = max(args.eval_len, max(args.lengths) + 64, 2048)
+    loaded = linicl.lm.load(args.model, max_len=max_len, require_tokenizer=True)
+    return loaded.model, loaded.variables, loaded.tokenizer, str(loaded.source)
+
+
+def stage1(teacher, tv, tok, args):
+    student = linicl.Transformer(linearize.student_config(
+        teacher.cfg, window=args.window, sinks=args.sinks, feature_size=args.feature_size, rope_on=args.rope_on))
+    if args.maps:
+        student, sv, meta = linearize.load_maps(args.maps, teacher, tv)
+        return student, sv, dict(loaded=args.maps, meta=meta)
+    sv = linearize.student_variables(student, tv, seed=args.seed)
+    seqs = linearize.training_sequences(tok, TRAIN_TASKS if not args.quick else ("antonym", "sst2"),
+                                        n=args.train_seqs, length=args.seq_len, seed=args.seed,
+                                        data_dir=args.data_dir)
+    t0 = time.perf_counter()
+    sv, hist = linearize.train_maps(teacher, tv, student, sv, seqs, steps=args.steps, batch_size=args.batch_size,
+                                    lr=args.lr, seed=args.seed, progress=args.progress,
+                                    checkpoint=os.path.join(args.out, "stage1.safetensors"))
+    wall = time.perf_counter() - t0
+    tokens = args.steps * args.batch_size * args.seq_len
+    linearize.save_maps(os.path.join(args.out, "maps.safetensors"), student, sv,
+                        meta=dict(tokens=tokens, steps=args.steps, teacher=args.model or "SmolLM2"))
+    return student, sv, dict(history=hist._asdict(), wall_s=wall, tokens_seen=tokens,
+                             train_sequences=list(seqs.shape))
+
+
+def held_out(teacher, tv, student, sv, tok, args) -> dict:
+    seqs = linearize.training_sequences(tok, args.tasks, n=args.eval_seqs, length=args.eval_len,
+                                        seed=args.seed + 1, split="test", data_dir=args.data_dir)
+    out = {"softmax": linearize.next_token_loss(teacher, tv, seqs, batch_size=2),
+           "student": linearize.next_token_loss(student, sv, seqs, batch_size=2)}
+    for window, sinks in ((0, 0), (0, args.sinks), (args.window, 0), (4 * args.window, args.sinks)):
+        if (window, sinks) == (args.window, args.sinks):
+            continue
+        other = linicl.Transformer(student.cfg.replace(window=window, sinks=sinks))
+        out[f"student w{window} s{sinks} (same maps)"] = linearize.next_token_loss(other, sv, seqs, batch_size=2)
+    for v in out.values():
+        v.pop("per_position")
+    return out
+
+
+def icl(teacher, tv, student, sv, tok, args, bar=None) -> dict:
+    """Per task and k: softmax, student, student with the demonstrations converted (query alone)."""
+    rows = {}
+    for name in args.tasks:
+        task = data.load_task(name, args.data_dir)
+        for k in args.k:
+            prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval,
+                                          same_demos=True, add_bos=BOS_FLAG[args.bos])
+            common = dict(tokenizer=tok, prompts=prompts, task=name, k=k, progress=False)
+            res = {"softmax": evaluate_prompts(teacher, tv, **common),
+                   "student": evaluate_prompts(student, sv, **common)}
+            n = prompts[0].query_start
+            if n:  # the shared demonstrations (and BOS) become the student's weights
+                converted = iclca.convert(student, sv, jnp.asarray(prompts[0].tokens[:n])[None])
+                alone = [dataclasses.replace(p, tokens=p.tokens[n:], roles=p.roles[n:], query_start=0)
+                         for p in prompts]
+                res["student converted"] = evaluate_prompts(student, converted, **dict(common, prompts=alone))
+            row = {m: r.summary() | {"correct": r.correct.astype(int).tolist(), "predictions": list(r.predictions)}
+                   for m, r in res.items()}
+            if "student converted" in res:  # exact conversion: the same answers, by construction
+                row["converted_same_answers"] = res["student converted"].predictions == res["student"].predictions
+            rows[f"{name} k={k}"] = row
+            if bar is not None:
+                bar.update(1)
+    return rows
+
+
+def gains(rows: dict, args) -> dict:
+    """Per task: the softmax few-shot gain at the largest k and the share the student keeps."""
+    k = max(args.k)
+    out = {}
+    for name in args.tasks:
+        zero, few = rows.get(f"{name} k=0"), rows.get(f"{name} k={k}")
+        if zero is None or few is None:
+            continue
+        g = stats.gain(few["softmax"]["correct"], zero["softmax"]["correct"])
+        rec = stats.recovered(few["student"]["correct"], few["softmax"]["correct"], zero["softmax"]["correct"])
+        out[name] = dict(k=k, gain=g._asdict(), student_recovered=None if rec is None else rec._asdict())
+    return out
+
+
+def timing(student, sv, args) -> list:
+    rows = []
+    query = jnp.ones((1, 16), jnp.int32)
+    fwd = jax.jit(student.apply)
+    for n in args.lengths:
+        prompt = jax.random.randint(jax.random.PRNGKey(n), (1, n), 0, student.cfg.vocab_size, jnp.int32)
+        converted = iclca.convert(student, sv, prompt)
+        full = jnp.concatenate([prompt, query], axis=1)
+        rows.append(dict(prompt_len=n, prompted_s=time_call(fwd, sv, full, repeats=3),
+                         converted_s=time_call(fwd, converted, query, repeats=3),
+                         state_floats=int(sum(x.size for x in jax.tree_util.tree_leaves(converted["prompt_state"]))),
+                         kv_cache_floats=2 * n * student.cfg.n_layers * student.cfg.kv_heads * student.cfg.head_dim))
+    return rows
+
+
+def tables(report: dict) -> str:
+    lines = ["Held-out next-token loss (nats; text from the test splits), by position:", ""]
+    ho = report["held_out"]
+    buckets = list(ho["softmax"]["by_position"])
+    rows = [[m, f"{v['mean']:.3f}", f"{v['mean'] - ho['softmax']['mean']:+.3f}"] + [f"{v['by_position'][b]:.3f}" for b in buckets]
+            for m, v in ho.items()]
+    lines += [reporting.markdown_table(["model", "mean", "gap"] + buckets, rows), ""]
+    lines += ["ICL accuracy, % [95 % Wilson] (exact match; (const) = one answer for every query):", ""]
+    methods = ["softmax", "student", "student converted"]
+    rows = []
+    for cell, res in report["icl"].items():
+        rows.append([cell + ("" if res.get("converted_same_answers", True) else " (CONVERTED DIFFERS)")] + [(f"{100 * res[m]['accuracy']:.1f} [{100 * res[m]['ci_low']:.1f}, {100 * res[m]['ci_high']:.1f}]"
+                               + (" (const)" if res[m]["constant"] else "")) if m in res else "-" for m in methods])
+    lines += [reporting.markdown_table(["task, k"] + methods, rows), ""]
+    lines += ["Share of the softmax model's few-shot gain the student keeps (only where the gain is significant):", ""]
+    rows = [[t, g["k"], f"{100 * g['gain']['value']:.1f} [{100 * g['gain']['low']:.1f}, {100 * g['gain']['high']:.1f}]",
+             "n.s. gain" if g["student_recovered"] is None else
+             f"{g['student_recovered']['value']:.2f} [{g['student_recovered']['low']:.2f}, {g['student_recovered']['high']:.2f}]"]
+            for t, g in report["gains"].items()]
+    lines += [reporting.markdown_table(["task", "k", "softmax gain, points", "student keeps"], rows), ""]
+    rows = [[r["prompt_len"], f"{r['prompted_s'] * 1e3:.1f}", f"{r['converted_s'] * 1e3:.1f}",
+             f"{r['prompted_s'] / r['converted_s']:.1f}x", r["state_floats"], r["kv_cache_floats"]] for r in report["timing"]]
+    lines += [reporting.markdown_table(["prompt", "prompted ms", "converted ms", "speed-up", "state floats",
+                                        "softmax KV floats"], rows)]
+    return "\n".join(lines)
+
+
+def figure(plt, report):
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    hist = report["stage1"].get("history")
+    if hist:
+        ax[0].semilogy(hist["step"], np.asarray(hist["loss"]) / len(hist["layers"][0]))
+        ax[0].set(xlabel="step", ylabel="relative attention-output MSE per layer", title="stage 1")
+    ho = report["held_out"]
+    for m in ("softmax", "student"):
+        ax[1].plot(list(ho[m]["by_position"]), list(ho[m]["by_position"].values()), "o-", label=m)
+    ax[1].set(xlabel="position bucket", ylabel="next-token loss (nats)", title="held-out text")
+    ax[1].legend()
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
+    teacher, tv, tok, source = load_teacher(args)
+    student, sv, s1 = stage1(teacher, tv, tok, args)
+    report = dict(settings=vars(args), model=dict(source=source, student=student.cfg.describe()), stage1=s1,
+                  machine=reporting.machine_info())
+    report["held_out"] = held_out(teacher, tv, student, sv, tok, args)
+    report["icl"] = icl(teacher, tv, student, sv, tok, args)
+    report["gains"] = gains(report["icl"], args)
+    report["timing"] = timing(student, sv, args)
+    report["wall_s"] = time.perf_counter() - t0
+    report["table"] = text = tables(report)
+    reporting.write_json(os.path.join(args.out, "linearize.json"), report)
+    print(text)
+    png = reporting.plot(os.path.join(args.out, "linearize.png"), figure, report) if args.plots else None
+    print(f"wrote {args.out}/linearize.json" + (" and linearize.png" if png else "") + f" ({report['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

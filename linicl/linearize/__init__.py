@@ -1,0 +1,24 @@
+"""Linearizing a pretrained softmax LM by attention transfer (Hedgehog arXiv 2402.04347, LoLCATs
+arXiv 2410.10254; linearization.md), so that ``linicl.iclca.convert`` is exact on a model that knows
+language.
+
+* ``student``: the linear-attention student of a softmax teacher (hedgehog feature maps, an exact
+  softmax window and sinks; ``student_config``), its variables (the teacher's weights plus the new
+  maps, ``student_variables``), and which parameters train (``split``/``merge``).
+* ``text``: training text that stays offline and away from evaluation queries (few-shot prompts
+  built from the data sets' training splits, rendered as one stream cut into sequences).
+* ``transfer``: stage 1, attention transfer: every layer's attention output matched to the
+  teacher's on the teacher's own inputs (one teacher pass per batch, all layers in one step),
+  resumable, data parallel over the visible devices.
+* ``quality``: next-token loss by position bucket, to compare the student with its teacher.
+* ``maps``: save and load the trained maps (one safetensors file plus its settings).
+"""
+
+from linicl.linearize.maps import load_maps, save_maps
+from linicl.linearize.quality import next_token_loss
+from linicl.linearize.student import merge, split, student_config, student_variables
+from linicl.linearize.text import training_sequences
+from linicl.linearize.transfer import History, teacher_targets, train_maps
+
+__all__ = ["student_config", "student_variables", "split", "merge", "training_sequences", "teacher_targets",
+           "train_maps", "History", "next_token_loss", "save_maps", "load_maps"]

@@ -1,0 +1,79 @@
+"""The linear-attention student of a softmax teacher, and which of its parameters attention transfer
+trains.
+
+The student is the teacher's ``ModelConfig`` with ``attention="linear"``, the learned ``"hedgehog"``
+feature map (normalised: its features are positive) and, optionally, LoLCATs' exact softmax window
+and attention sinks. Rope sits on the inputs of the maps (``rope_on="inputs"``, as LoLCATs does for
+rope-trained teachers: the maps see the same rotated q, k the teacher's softmax saw); a converted
+student then keeps the prompt's absolute positions (``position`` collection). Every other weight is
+the teacher's, unchanged: only the maps (``phi_q_W``, ``phi_q_b``, ``phi_k_W``, ``phi_k_b``) and, with
+a window or sinks, the per-head ``gate`` of the exact part are new, and only they train.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from linicl.config import ModelConfig
+from linicl.errors import LiniclError
+from linicl.names import PARAMS
+
+TRAINED = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate")
+
+
+def student_config(teacher: ModelConfig, *, window: int = 16, sinks: int = 4, feature_size: int = 0,
+                   rope_on: str = "inputs") -> ModelConfig:
+    """The student of a softmax ``teacher`` config (any position option; rope_on applies to rope)."""
+    if not isinstance(teacher, ModelConfig) or teacher.attention != "softmax":
+        raise LiniclError(f"student_config needs the ModelConfig of a softmax teacher, got "
+                          f"{getattr(teacher, 'attention', type(teacher).__name__)!r}")
+    if not teacher.causal:
+        raise LiniclError("student_config: the teacher must be causal (a linear state is causal)")
+    return teacher.replace(attention="linear", feature_map="hedgehog", feature_size=feature_size,
+                           normalize=True, window=window, sinks=sinks,
+                           rope_on=rope_on if teacher.positions == "rope" else "features")
+
+
+def student_variables(student, teacher_variables: Mapping, seed: int = 0) -> dict:
+    """The student's variables: its new parameters at their initial values (identity maps, gate 0),
+    every other parameter the teacher's (same names, shapes and dtypes: checked)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    fresh = jax.jit(student.init)(jax.random.PRNGKey(seed), tokens)[PARAMS]
+    new, _ = split(fresh)
+    _, teacher_rest = split(teacher_variables[PARAMS])
+    _, student_rest = split(fresh)
+    want = jax.tree_util.tree_structure(student_rest)
+    if jax.tree_util.tree_structure(teacher_rest) != want:
+        raise LiniclError("the teacher's parameters do not match the student's (another architecture?)")
+    for a, b in zip(jax.tree_util.tree_leaves(teacher_rest), jax.tree_util.tree_leaves(student_rest)):
+        if a.shape != b.shape:
+            raise LiniclError(f"a teacher parameter has shape {a.shape}, the student expects {b.shape}")
+    return {PARAMS: merge(new, teacher_rest)}
+
+
+def _is_trained(path) -> bool:
+    return getattr(path[-1], "key", None) in TRAINED
+
+
+def split(params) -> Tuple[dict, dict]:
+    """``(trained, frozen)``: two trees of the same nesting, each holding only its own leaves."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    trained, frozen = {}, {}
+    for path, leaf in flat:
+        target = trained if _is_trained(path) else frozen
+        node = target
+        for key in path[:-1]:
+            node = node.setdefault(key.key, {})
+        node[path[-1].key] = leaf
+    return trained, frozen
+
+
+def merge(trained, frozen) -> dict:
+    """The inverse of ``split``: one params tree."""
+    out = dict(frozen)
+    for key, value in trained.items():
+        out[key] = merge(value, out.get(key, {})) if isinstance(value, Mapping) else value
+    return out

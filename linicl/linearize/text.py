@@ -1,0 +1,58 @@
+"""Training text for attention transfer that needs no network and never sees an evaluation query.
+
+Few-shot prompts with every answer written out, built from the tasks' *training* splits (the
+demonstration pools), are the text whose attention patterns matter most here (ICL). They are rendered
+one after another into a token stream (shuffled, seeded) and cut into equal sequences. The same
+function on ``split="test"`` gives held-out text for the next-token-loss comparison: it is read, never
+trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from linicl.data import build_prompt, load_task, sample_demos, template_for
+from linicl.errors import LiniclError
+
+
+def _examples(task, split: str):
+    if split not in ("train", "test"):
+        raise LiniclError(f"split must be 'train' or 'test', got {split!r}")
+    return getattr(task, split)
+
+
+def _rendered(task, tokenizer, rng: np.random.Generator, split: str, max_shots: int) -> list:
+    """One few-shot prompt with its answer: tokens of k demos, the query, and the query's answer."""
+    pool = _examples(task, split)
+    template = template_for(task)
+    k = int(rng.integers(0, max_shots + 1))
+    query = pool[int(rng.integers(len(pool)))]
+    demos = [d for d in sample_demos(task, k + 1, [int(rng.integers(2**31)), 5], balanced=False) if d != query][:k]
+    if split == "test":  # held-out text: its demonstrations come from the test split too
+        demos = [pool[int(i)] for i in rng.integers(0, len(pool), size=k)]
+    prompt = build_prompt(template, demos, query, tokenizer, add_bos=False)
+    answer = tokenizer.encode(template.label_prefix + query.output + "\n\n")
+    return list(prompt.tokens) + [int(i) for i in answer]
+
+
+def training_sequences(tokenizer, tasks: Sequence[str], *, n: int, length: int, seed: int = 0,
+                       split: str = "train", data_dir=None, max_shots: int = 8,
+                       bos: Optional[int] = None) -> np.ndarray:
+    """``int32[n, length]``: a stream of rendered few-shot prompts of ``tasks`` (drawn in turn, seeded),
+    cut into ``n`` sequences. ``bos``: a token id to start every sequence with (None: none)."""
+    if n < 1 or length < 2:
+        raise LiniclError(f"training_sequences needs n >= 1 and length >= 2, got n={n}, length={length}")
+    loaded = [load_task(t, data_dir) for t in tasks]
+    if not loaded:
+        raise LiniclError("training_sequences: no tasks")
+    rng = np.random.default_rng([seed, 13])
+    body = length - (bos is not None)
+    stream: list = []
+    while len(stream) < n * body:
+        stream += _rendered(loaded[int(rng.integers(len(loaded)))], tokenizer, rng, split, max_shots)
+    rows = np.asarray(stream[:n * body], np.int32).reshape(n, body)
+    if bos is not None:
+        rows = np.concatenate([np.full((n, 1), bos, np.int32), rows], axis=1)
+    return rows

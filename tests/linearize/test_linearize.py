@@ -1,0 +1,155 @@
+"""linicl.linearize: the student is its teacher with new maps, attention transfer lowers the per-layer
+error, training resumes bit-identically, maps round-trip through a file, the trained student converts
+prompts exactly, and the quick experiment runs end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import BASELINE_MIN, EXACT_RTOL, REPO, rel_err
+
+import linicl
+from linicl import linearize as LZ
+from linicl.errors import DataError, LiniclError
+from linicl.linearize import transfer
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    cfg = linicl.preset("tiny-llama", max_len=64, dtype="float64")
+    model = linicl.Transformer(cfg)
+    return model, model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+
+
+@pytest.fixture(scope="module")
+def sequences(teacher):
+    return np.asarray(jax.random.randint(jax.random.PRNGKey(1), (24, 20), 0, teacher[0].cfg.vocab_size))
+
+
+def make_student(teacher, **kw):
+    model, variables = teacher
+    student = linicl.Transformer(LZ.student_config(model.cfg, **{"window": 4, "sinks": 1, **kw}))
+    return student, LZ.student_variables(student, variables)
+
+
+def test_the_student_is_the_teacher_with_new_maps(teacher):
+    model, variables = teacher
+    student, sv = make_student(teacher)
+    assert student.cfg.attention == "linear" and student.cfg.feature_map == "hedgehog"
+    assert student.cfg.rope_on == "inputs" and (student.cfg.window, student.cfg.sinks) == (4, 1)
+    trained, frozen = LZ.split(sv["params"])
+    _, teacher_frozen = LZ.split(variables["params"])
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), frozen, teacher_frozen))
+    attn = trained["layers_0"]["attn"]
+    assert set(attn) == {"phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate"}
+    d = model.cfg.head_dim
+    assert np.allclose(attn["phi_q_W"][0], np.eye(d)) and not np.any(attn["gate"])  # identity maps, g = 1/2
+    assert jax.tree_util.tree_structure(LZ.merge(trained, frozen)) == jax.tree_util.tree_structure(sv["params"])
+    with pytest.raises(LiniclError, match="softmax teacher"):
+        LZ.student_config(student.cfg)
+
+
+def test_attention_transfer_lowers_every_layers_error(teacher, sequences):
+    model, variables = teacher
+    student, sv = make_student(teacher)
+    X, A = LZ.teacher_targets(model, variables, sequences[:8])
+    before = np.asarray(transfer.layer_losses(student.cfg, sv["params"], X, A))
+    trained, hist = LZ.train_maps(model, variables, student, sv, sequences, steps=12, batch_size=8, lr=2e-2,
+                                  progress=False, log_every=1)
+    after = np.asarray(transfer.layer_losses(student.cfg, trained["params"], X, A))
+    assert np.all(after < before), (before, after)
+    assert hist.step == list(range(12)) and len(hist.layers[0]) == model.cfg.n_layers
+    # Only the maps and gates moved.
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+        lambda a, b: bool(jnp.array_equal(a, b)), LZ.split(trained["params"])[1], LZ.split(sv["params"])[1]))
+
+
+def test_training_resumes_bit_identically(teacher, sequences, tmp_path, monkeypatch):
+    model, variables = teacher
+    student, sv = make_student(teacher)
+    common = dict(steps=6, batch_size=8, lr=1e-2, progress=False, checkpoint_every=2)
+    whole, _ = LZ.train_maps(model, variables, student, sv, sequences, **common)
+
+    path = tmp_path / "stage1.safetensors"
+    real = transfer._batch
+
+    def stop_at_4(seqs, step, *a):
+        if step == 4:
+            raise KeyboardInterrupt
+        return real(seqs, step, *a)
+    monkeypatch.setattr(transfer, "_batch", stop_at_4)
+    with pytest.raises(KeyboardInterrupt):
+        LZ.train_maps(model, variables, student, sv, sequences, checkpoint=path, **common)
+    monkeypatch.setattr(transfer, "_batch", real)
+    resumed, hist = LZ.train_maps(model, variables, student, sv, sequences, checkpoint=path, **common)
+    same = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), whole["params"], resumed["params"])
+    assert jax.tree_util.tree_all(same) and hist.step[-1] == 5
+    with pytest.raises(DataError, match="steps"):  # a checkpoint of another run is refused by name
+        LZ.train_maps(model, variables, student, sv, sequences, checkpoint=path, **dict(common, steps=8))
+
+
+def test_maps_round_trip_and_the_trained_student_converts_exactly(teacher, sequences, tmp_path):
+    model, variables = teacher
+    student, sv = make_student(teacher)
+    sv, _ = LZ.train_maps(model, variables, student, sv, sequences, steps=4, batch_size=8, progress=False)
+    path = LZ.save_maps(tmp_path / "maps.safetensors", student, sv, meta={"tokens": 640})
+    again, sv2, meta = LZ.load_maps(path, model, variables)
+    assert again.cfg == student.cfg and meta == {"tokens": 640}
+    x = jnp.asarray(sequences[:2])
+    # The file stores float32 maps: the float64 student equals the reloaded one up to that rounding.
+    assert rel_err(again.apply(sv2, x), student.apply(sv, x)) < 1e-6
+    # Exactness on the trained student (float64): the prompt as weights.
+    prompt, query = jnp.asarray(sequences[:1, :11]), jnp.asarray(sequences[:1, 11:17])
+    converted = linicl.iclca.convert(again, sv2, prompt)
+    ref = again.apply(sv2, jnp.concatenate([prompt, query], 1))[:, 11:]
+    assert rel_err(again.apply(converted, query), ref) <= EXACT_RTOL
+    assert rel_err(again.apply(sv2, query), ref) >= BASELINE_MIN
+    with pytest.raises(DataError, match="not a file of linearized maps"):
+        from linicl import checkpoint
+        other = checkpoint.save(tmp_path / "other.safetensors", {"a": np.zeros(2)}, settings={"kind": "x"})
+        LZ.load_maps(other, model, variables)
+
+
+def test_next_token_loss_by_position(teacher, sequences):
+    model, variables = teacher
+    out = LZ.next_token_loss(model, variables, sequences[:5], batch_size=2, buckets=(0, 4, 8))
+    per = np.asarray(out["per_position"])
+    assert len(per) == sequences.shape[1] - 1 and out["n"] == 5
+    assert out["by_position"]["0-3"] == pytest.approx(per[:4].mean()) and "8-18" in out["by_position"]
+    assert out["mean"] == pytest.approx(per.mean())
+
+
+@pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"), reason="needs the shared data (LINICL_DATA_DIR)")
+def test_training_text_comes_from_the_training_split():
+    tok = linicl.lm.load(REPO / "tests" / "fixtures" / "hf" / "gpt2-tiny").tokenizer
+    a = LZ.training_sequences(tok, ["antonym", "sst2"], n=6, length=32, seed=3, bos=0)
+    assert a.shape == (6, 32) and np.all(a[:, 0] == 0) and a.dtype == np.int32
+    assert np.array_equal(a, LZ.training_sequences(tok, ["antonym", "sst2"], n=6, length=32, seed=3, bos=0))
+    test = LZ.training_sequences(tok, ["antonym"], n=2, length=64, seed=3, split="test")
+    train_text, test_text = tok.decode(LZ.training_sequences(tok, ["antonym"], n=40, length=64, seed=3).ravel().tolist()), tok.decode(test.ravel().tolist())
+    task = linicl.data.load_task("antonym")
+    pairs = lambda split: {f" {e.input}\n {e.output}\n" for e in split}  # noqa: E731  (this task's template)
+    only_test = pairs(task.test) - pairs(task.train)
+    assert not any(p in train_text for p in only_test)  # no test example in the training text
+    assert any(p in test_text for p in only_test)
+    with pytest.raises(LiniclError, match="split"):
+        LZ.training_sequences(tok, ["antonym"], n=1, length=8, split="dev")
+
+
+@pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"), reason="needs the shared data (LINICL_DATA_DIR)")
+def test_quick_experiment_runs_and_the_converted_student_answers_as_the_prompted_one(tmp_path):
+    run = subprocess.run([sys.executable, str(REPO / "experiments" / "linearize.py"), "--quick", "--no-progress",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "linearize.json").read_text())
+    assert report["stage1"]["tokens_seen"] == 4 * 4 * 32 and (tmp_path / "maps.safetensors").exists()
+    assert {"softmax", "student"} <= set(report["held_out"])
+    cells = [c for c in report["icl"].values() if "student converted" in c]
+    assert cells and all(c["converted_same_answers"] for c in cells)
+    assert report["timing"][0]["state_floats"] == report["timing"][1]["state_floats"]  # independent of n
+    assert "Held-out next-token loss" in run.stdout
