@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import json
 import os
 import sys
 import time
@@ -44,7 +45,7 @@ import optax
 from flax import traverse_util
 from tqdm.auto import tqdm
 
-from linicl import diagnostics, reporting
+from linicl import checkpoint, diagnostics, reporting
 from linicl.config import ModelConfig
 from linicl.data.synthetic import induction_batch, recall_batch
 from linicl.errors import LiniclError
@@ -238,8 +239,35 @@ def _round(xs) -> list:
     return [float(f"{x:.7g}") for x in np.asarray(xs, np.float64)]
 
 
-def run(opts: dict, progress: bool = True) -> dict:
-    """Train every arm of ``opts["arms"]`` on every seed; returns ``summarise``'s report."""
+def _save(path, chunk: int, state: dict, curves: dict, opts: dict) -> None:
+    """The training state after ``chunk`` chunks (every arm's params and optimiser state, the curves)."""
+    tree = {arm: {"params": p, "opt": o} for arm, (p, o) in state.items()}
+    listed = jax.tree.map(lambda a: np.asarray(a).tolist(), curves)
+    checkpoint.save(path, tree, settings=_settings(opts), meta={"chunk": chunk, "curves": listed})
+
+
+def _settings(opts: dict) -> dict:
+    return json.loads(json.dumps({"trainer": "experiments/bias_training.py", **opts}, default=str))
+
+
+def _resume(path, state: dict, curves: dict, opts: dict) -> int:
+    """Restore a checkpoint of the same settings into ``state`` and ``curves``; the chunks done."""
+    template = {arm: {"params": p, "opt": o} for arm, (p, o) in state.items()}
+    tree, meta = checkpoint.load(path, template, settings=_settings(opts))
+    for arm in state:
+        state[arm] = jax.tree.map(jnp.asarray, [tree[arm]["params"], tree[arm]["opt"]])
+        for part in ("train", "eval"):
+            curves[arm][part] = {k: [np.asarray(v, np.float64) for v in vs] for k, vs in meta["curves"][arm][part].items()}
+        curves[arm]["eval_steps"] = list(meta["curves"][arm]["eval_steps"])
+    return int(meta["chunk"])
+
+
+def run(opts: dict, progress: bool = True, checkpoint_path=None) -> dict:
+    """Train every arm of ``opts["arms"]`` on every seed; returns ``summarise``'s report.
+
+    ``checkpoint_path``: after every chunk the state is saved there (``linicl.checkpoint``); a run
+    with the same settings resumes from it and ends with the same numbers as an uninterrupted one
+    (the data of a chunk is a function of the seeds and the chunk's first step)."""
     seeds, arms = list(opts["seeds"]), list(opts["arms"])
     n_chunks = opts["steps"] // opts["eval_every"]
     seed_keys = jnp.stack([jax.random.PRNGKey(s) for s in seeds])
@@ -279,10 +307,14 @@ def run(opts: dict, progress: bool = True) -> dict:
         for name, v in metrics.items():
             curves[arm]["eval"].setdefault(name, []).append(np.asarray(v, np.float64))
 
-    for arm in arms:
-        log_eval(arm, 0)
-    bar = tqdm(range(n_chunks), desc="training", disable=not progress)
-    for c in bar:
+    done = 0
+    if checkpoint_path is not None and checkpoint.exists(checkpoint_path):
+        done = _resume(checkpoint_path, state, curves, opts)
+    else:
+        for arm in arms:
+            log_eval(arm, 0)
+    bar = tqdm(range(n_chunks), desc="training", disable=not progress, initial=done)
+    for c in range(done, n_chunks):
         start = jnp.asarray(c * opts["eval_every"], jnp.int32)
         for arm in arms:  # interleaved, so that every arm sees the same machine load
             t0 = time.perf_counter()
@@ -294,6 +326,10 @@ def run(opts: dict, progress: bool = True) -> dict:
                 curves[arm]["train"].setdefault(name, []).append(np.asarray(v, np.float64))
             log_eval(arm, (c + 1) * opts["eval_every"])
         bar.set_postfix({f"{a}": f"{np.mean(curves[a]['eval']['ctx_acc'][-1]):.3f}" for a in arms})
+        bar.update(1)
+        if checkpoint_path is not None:
+            _save(checkpoint_path, c + 1, state, curves, opts)
+    bar.close()
 
     return summarise(opts, curves, timing, {arm: state[arm][0] for arm in arms})
 
@@ -436,7 +472,7 @@ def main(argv=None) -> int:
     if args.quick:  # a smoke test: compile time dominates, and XLA's optimisations do not pay off
         jax.config.update("jax_disable_most_optimizations", True)
     t0 = time.perf_counter()
-    result = run(opts, progress=args.progress)
+    result = run(opts, progress=args.progress, checkpoint_path=os.path.join(args.out, "bias_training.ckpt"))
     wall = time.perf_counter() - t0
     report = dict(config=dict(opts, model=cfg.describe(), model_config={
         k: v for k, v in cfg.__dict__.items()}, optimizer="clip_by_global_norm(1) + AdamW "

@@ -71,6 +71,12 @@ EXPERIMENTS = {
         plots=["implicit_dherin_float32.png"],
         reference="Dherin et al. (arXiv 2507.16003) show the loss with context and with ΔW coincide; "
                   "their figures are qualitative."),
+    "linearize": dict(
+        title="Linearized SmolLM2: attention transfer, held-out loss, ICL with the prompt as weights",
+        cmd=["experiments/linearize.py"], quick=["--quick"], json="linearize.json", plots=["linearize.png"],
+        reference="Hedgehog (arXiv 2402.04347) linearizes GPT-2 (125M) to 16.7 WikiText-103 perplexity; "
+                  "LoLCATs (arXiv 2410.10254) closes most of Llama 3 8B's 5-shot MMLU gap with a window "
+                  "of 64. Neither reports SmolLM2 or prompt conversion."),
     "iclca_speed": dict(
         title="Benchmark: conversion and kernel forms",
         cmd=["experiments/benchmarks/iclca_speed.py"], quick=["--quick"], json="iclca_speed.json",

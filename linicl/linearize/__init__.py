@@ -11,14 +11,16 @@ language.
   teacher's on the teacher's own inputs (one teacher pass per batch, all layers in one step),
   resumable, data parallel over the visible devices.
 * ``quality``: next-token loss by position bucket, to compare the student with its teacher.
-* ``maps``: save and load the trained maps (one safetensors file plus its settings).
+* ``maps``: save and load the trained maps (one safetensors file plus its settings); ``smollm2()``:
+  linearized SmolLM2-135M-Instruct with the maps shipped in the package.
 """
 
-from linicl.linearize.maps import load_maps, save_maps
+from linicl.linearize.maps import SMOLLM2_MAPS, load_maps, save_maps, smollm2
 from linicl.linearize.quality import next_token_loss
 from linicl.linearize.student import merge, split, student_config, student_variables
 from linicl.linearize.text import training_sequences
 from linicl.linearize.transfer import History, teacher_targets, train_maps
 
 __all__ = ["student_config", "student_variables", "split", "merge", "training_sequences", "teacher_targets",
-           "train_maps", "History", "next_token_loss", "save_maps", "load_maps"]
+           "train_maps", "History", "next_token_loss", "save_maps", "load_maps", "smollm2",
+           "SMOLLM2_MAPS"]

