@@ -179,8 +179,13 @@ class PromptApprox:
       W: positive-random-feature projections ``f[heads, m, d_head]`` (kernel ``"prf"``), else None.
       sink_k, sink_v: ``f[batch or 1, kv_heads, s, d_head]`` prompt keys (rotated) and values kept
         exact, with their positions ``sink_pos: int32[s]``; None when no token is kept.
-      kernel: ``"taylor2"``, ``"prf"`` or ``"elu+1"`` (static).
-      lam: None for the shared normaliser, else the fixed input weight of the lambda-mix (static).
+      phi_W: ``f[heads, d_head, m]``, phi_b: ``f[heads, m]``: the query map phi_q of the
+        ``"learned"`` kernel (F = 2m), else None.
+      g: ``f[heads]``, the weight g_h of the exact keys in the hybrid form (kernel ``"learned"``);
+        None for the shared and mix forms.
+      kernel: ``"taylor2"``, ``"prf"``, ``"elu+1"`` or ``"learned"`` (static).
+      lam: None for the shared normaliser (or the hybrid form), else the fixed input weight of the
+        lambda-mix (static).
     """
 
     B: jax.Array
@@ -189,6 +194,9 @@ class PromptApprox:
     sink_k: Optional[jax.Array] = None
     sink_v: Optional[jax.Array] = None
     sink_pos: Optional[jax.Array] = None
+    phi_W: Optional[jax.Array] = None
+    phi_b: Optional[jax.Array] = None
+    g: Optional[jax.Array] = None
     kernel: str = struct.field(pytree_node=False, default="taylor2")
     lam: Optional[float] = struct.field(pytree_node=False, default=None)
 
@@ -209,6 +217,13 @@ def _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs) -> None:
         raise LiniclError(f"kernel must be one of {APPROX_KERNELS}, got {kernel!r}")
     if form not in APPROX_FORMS:
         raise LiniclError(f"form must be one of {APPROX_FORMS}, got {form!r}")
+    # The learned maps were trained next to g_h e^{s - c_t}; the fixed kernels approximate e^s.
+    if (kernel == "learned") != (form == "hybrid"):
+        raise LiniclError(f"form='hybrid' goes with kernel='learned' and only with it, got "
+                          f"kernel={kernel!r}, form={form!r}")
+    if kernel == "learned" and fit_inputs is not None:
+        raise LiniclError("fit_inputs fits (B, b) for the shared or mix form; kernel='learned' keeps "
+                          "the student's sums")
     if form == "mix" and not 0.0 <= lam <= 1.0:
         raise LiniclError(f"lam must lie in [0, 1] (the input's weight in the mix), got {lam}")
     if not isinstance(sinks, int) or not 0 <= sinks <= n:
@@ -219,9 +234,60 @@ def _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs) -> None:
         raise LiniclError("convert_approx needs a causal model")
 
 
-def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2", *, form: str = "shared",
-                   lam: float = 0.5, sinks: int = 0, n_features: int = 256, seed: int = 0,
-                   fit_inputs=None, ridge: float = 1e-6) -> dict:
+_MAPS = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b")  # a linearized student's maps per layer
+
+
+def _map_error(what: str) -> LiniclError:
+    return LiniclError(f"maps {what}; pass the variables (or params) of this model's linearized student "
+                       f"(linicl.linearize.student_variables, train_maps or load_maps)")
+
+
+def _learned_maps(cfg: ModelConfig, maps) -> list[dict]:
+    """Per layer ``{phi_q_W, phi_q_b, phi_k_W, phi_k_b: the maps, g: f[heads]}``, checked against
+    ``cfg``. g_h = sigmoid(gate) of the student's layer; a student without an exact part (window 0,
+    sinks 0) has no gate, and then g_h = 1: the teacher's own e^{s - c_t}."""
+    if not isinstance(maps, Mapping):
+        raise _map_error(f"must be a dict, got {type(maps).__name__}")
+    params = maps.get("params", maps)
+    extra = sorted(s for s in params if scope_layer(s) is not None and scope_layer(s) >= cfg.n_layers)
+    if extra:
+        raise _map_error(f"hold {extra} but the model has {cfg.n_layers} layers")
+    H, d, dt = cfg.n_heads, cfg.head_dim, cfg.jnp_dtype
+    out = []
+    for l in range(cfg.n_layers):
+        scope = layer_scope(l)
+        attn = params.get(scope, {}).get("attn", {})
+        missing = [name for name in _MAPS if name not in attn]
+        if missing:
+            raise _map_error(f"lack {scope}/attn/{{{', '.join(missing)}}}")
+        m = attn["phi_q_W"].shape[-1]
+        want = {"phi_q_W": (H, d, m), "phi_k_W": (H, d, m), "phi_q_b": (H, m), "phi_k_b": (H, m)}
+        if "gate" in attn:
+            want["gate"] = (H,)
+        for name, shape in want.items():
+            if tuple(attn[name].shape) != shape:
+                raise _map_error(f"have {scope}/attn/{name} of shape {tuple(attn[name].shape)}; this model "
+                                 f"(n_heads={H}, head_dim={d}) needs {shape}")
+        layer = {name: jnp.asarray(attn[name], dt) for name in _MAPS}
+        layer["g"] = jax.nn.sigmoid(jnp.asarray(attn["gate"], dt)) if "gate" in attn else jnp.ones((H,), dt)
+        out.append(layer)
+    return out
+
+
+def _check_maps_use(cfg: ModelConfig, kernel: str, maps) -> None:
+    if kernel != "learned":
+        raise LiniclError(f"maps are the 'learned' kernel's; got them with kernel={kernel!r}")
+    if maps is None:
+        raise LiniclError("kernel='learned' needs maps= (the linearized student's variables or params)")
+    if cfg.attention != "softmax":
+        raise LiniclError(f"kernel='learned' puts a student's maps into its softmax teacher, but this model "
+                          f"has attention={cfg.attention!r} (a linear model converts exactly: iclca.convert)")
+
+
+def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2", *,
+                   form: Optional[str] = None, lam: float = 0.5, sinks: int = 0, n_features: int = 256,
+                   seed: int = 0, fit_inputs=None, ridge: float = 1e-6,
+                   maps: Optional[Variables] = None) -> dict:
     """Store ``prompt`` as kernel-approximated bias terms in a softmax model (iclca.md, section 7).
 
     The prompt's keys and values are the exact ones of the prompted model (its decode cache); only
@@ -233,9 +299,20 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
       model, variables: a ``linicl.Transformer`` and its variables (with no prompt stored yet).
       prompt: ``int32[batch or 1, n]``.
       kernel: ``"taylor2"`` (default), ``"prf"`` (``n_features`` positive random features drawn from
-        ``seed``), or ``"elu+1"``.
+        ``seed``), ``"elu+1"``, or ``"learned"`` (a linearized student's trained maps, ``maps``).
       form: ``"shared"`` (prompt and input terms share one softmax normaliser) or ``"mix"``
-        (``lam`` * softmax over the input + (1 - lam) * the prompt's kernel attention).
+        (``lam`` * softmax over the input + (1 - lam) * the prompt's kernel attention); the default
+        None means ``"shared"``, or ``"hybrid"`` for ``kernel="learned"`` (its only form): LoLCATs'
+        hybrid with the prompt as the linear part. A query at absolute position t, head h, reads
+        ``[sum_E g_h e^{s_i - c_t} v_i + phi_q(q_t)^T B] / [sum_E g_h e^{s_i - c_t} + phi_q(q_t).b]``,
+        E being the visible exact keys (the query's own tokens and the sinks), c_t = max_E s_i and
+        g_h = sigmoid(gate) of the student's layer (1 when the student has no gate: window 0,
+        sinks 0). When the query's tokens fit the student's window and the linearised prompt lies
+        outside it, this is the student's layer on the teacher's q, k, v.
+      maps: for ``kernel="learned"`` only: the linearized student's variables or params, with
+        ``layers_l/attn/{phi_q_W, phi_q_b, phi_k_W, phi_k_b: [heads, d_head, m] / [heads, m]}`` for
+        every layer (and ``gate: [heads]`` when the student has an exact part). The maps act on
+        rotated q, k (``rope_on="inputs"``, the student's default).
       sinks: the first ``sinks`` prompt tokens stay exact key/value entries of the softmax (attention
         sinks); only the rest is linearised. With ``sinks=n`` the conversion is exact.
       fit_inputs: optional ``int32[m, t]`` sample inputs. Then (B, b) are not sums over the prompt but
@@ -246,9 +323,11 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     Returns:
       Variables with the ``"prompt_approx"`` collection holding, per layer, a ``PromptApprox``, and
       ``"position"`` the query's position ``offset = n``. On a linear-attention model: ``convert(model, variables, prompt)``,
-      which is exact (the kernel arguments do not apply).
+      which is exact (the kernel arguments do not apply; ``kernel="learned"`` is refused there).
     """
     cfg = config_of(model)
+    if kernel == "learned" or maps is not None:
+        _check_maps_use(cfg, kernel, maps)
     if cfg.attention == "linear":
         return convert(model, variables, prompt)
     _check_variables(variables)
@@ -257,7 +336,9 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
                           "(iclca.strip(variables) gives the plain model)")
     prompt = jnp.asarray(check_tokens("prompt", prompt, cfg.vocab_size))
     n = prompt.shape[1]
+    form = ("hybrid" if kernel == "learned" else "shared") if form is None else form
     _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs)
+    learned = _learned_maps(cfg, maps) if kernel == "learned" else None
     check_fits("prompt", 0, n + 1, cfg.max_len, "the model's positions (prompt plus one query token)")
     kv = _prompt_kv_fn(model)(dict(variables), prompt)
     key = jax.random.PRNGKey(seed)
@@ -267,15 +348,22 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     for l, (k, v) in enumerate(kv):
         W = (prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features,
                                            cfg.head_dim, k.dtype) if kernel == "prf" else None)
-        if fit is None:
-            B, b = prompt_kernels.prompt_state(kernel, repeat_kv(k[:, :, sinks:], cfg.n_heads),
-                                               repeat_kv(v[:, :, sinks:], cfg.n_heads), W)
+        # GQA: keys and values are repeated to the query heads first (the student's key map is per
+        # query head); the cache's keys are rotated to their absolute positions 0..n-1.
+        k_lin, v_lin = repeat_kv(k[:, :, sinks:], cfg.n_heads), repeat_kv(v[:, :, sinks:], cfg.n_heads)
+        if learned is not None:
+            key_map = learned[l]["phi_k_W"], learned[l]["phi_k_b"]
+            B, b = prompt_kernels.prompt_state(kernel, k_lin, v_lin, *key_map)
+        elif fit is None:
+            B, b = prompt_kernels.prompt_state(kernel, k_lin, v_lin, W)
         else:
             B, b = _solve(*fit[l], ridge, k.dtype)
+        query_map = ({} if learned is None else
+                     dict(phi_W=learned[l]["phi_q_W"], phi_b=learned[l]["phi_q_b"], g=learned[l]["g"]))
         layers[layer_scope(l)] = {"attn": {"approx": PromptApprox(
             B=B, b=b, W=W, sink_k=k[:, :, :sinks] if sinks else None, sink_v=v[:, :, :sinks] if sinks else None,
             sink_pos=jnp.arange(sinks, dtype=jnp.int32) if sinks else None, kernel=kernel,
-            lam=None if form == "shared" else float(lam))}}
+            lam=float(lam) if form == "mix" else None, **query_map)}}
     return {**variables, PROMPT_APPROX: layers, POSITION: {"offset": jnp.asarray(n, jnp.int32)}}
 
 

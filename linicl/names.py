@@ -60,8 +60,11 @@ DTYPES = ("float32", "float64", "bfloat16")
 # Feature maps whose inner products phi(q).phi(k) are never negative (a normalised linear attention
 # then has a positive denominator, up to the model's own epsilon).
 NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2", "hedgehog")
-APPROX_KERNELS = ("taylor2", "prf", "elu+1")  # iclca.convert_approx
-APPROX_FORMS = ("shared", "mix")
+# iclca.convert_approx. "learned": a linearized student's trained query/key maps (linicl.linearize).
+APPROX_KERNELS = ("taylor2", "prf", "elu+1", "learned")
+# How the prompt terms join the input's softmax: one shared normaliser (in units of e^s), a fixed
+# lambda-mix, or the student's hybrid (g_h e^{s - c_t} for exact keys; the "learned" kernel's form).
+APPROX_FORMS = ("shared", "mix", "hybrid")
 EDIT_OPS = ("add", "scale", "replace", "fn")  # linicl.nn.hooks.Edit
 REFERENCES = ("query", "own")  # linicl.implicit: which token is run alone
 OPEN_METRICS = ("exact_match", "first_content_token")  # linicl.evaluate: open-ended answers

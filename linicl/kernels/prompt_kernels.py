@@ -9,7 +9,11 @@ B = sum_i phi(k_i) v_i^T and b = sum_i phi(k_i) (iclca.md, section 7):
 * ``"prf"``: positive random features exp(w.x~ - |x~|^2/2)/sqrt(m), x~ = x / d^(1/4), whose inner
   products are unbiased estimates of e^s (Performer);
 * ``"elu+1"``: elu(x~) + 1, the linear-attention map of the exact models (not an approximation of
-  exp: its prompt weight has the wrong scale, kept as the baseline the paper may have used).
+  exp: its prompt weight has the wrong scale, kept as the baseline the paper may have used);
+* ``"learned"``: a linearized student's hedgehog maps, one for queries and one for keys
+  (``feature_maps.hedgehog`` with the layer's W, b). They were trained in LoLCATs' hybrid, where
+  phi_q(q).phi_k(k) stands next to g_h e^{s - c_t}, not next to e^s, so their prompt terms join the
+  input through ``hybrid_weights``.
 """
 
 from __future__ import annotations
@@ -20,9 +24,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from linicl.kernels.feature_maps import taylor2
+from linicl.kernels.feature_maps import hedgehog, taylor2
 from linicl.names import APPROX_KERNELS
-
 
 
 def prf_projection(key: jax.Array, heads: int, n_features: int, d: int, dtype) -> jax.Array:
@@ -31,11 +34,18 @@ def prf_projection(key: jax.Array, heads: int, n_features: int, d: int, dtype) -
     return jax.random.normal(key, (heads, n_features, d), dtype)
 
 
-def features(kernel: str, x: jax.Array, W: Optional[jax.Array] = None) -> jax.Array:
-    """``phi(x)`` for ``x: f[batch, heads, seq, d]`` -> ``f[batch, heads, seq, F]`` (W: prf only)."""
+def features(kernel: str, x: jax.Array, W: Optional[jax.Array] = None,
+             b: Optional[jax.Array] = None) -> jax.Array:
+    """``phi(x)`` for ``x: f[batch, heads, seq, d]`` -> ``f[batch, heads, seq, F]``. ``W``: the prf
+    projections ``f[heads, m, d]``, or the learned map's ``f[heads, d, m]`` with its ``b: f[heads, m]``
+    (F = 2m); the fixed kernels take neither."""
     d = x.shape[-1]
     if kernel == "taylor2":
         return taylor2(x)
+    if kernel == "learned":
+        if W is None or b is None:
+            raise ValueError("the 'learned' kernel needs its map's W and b")
+        return hedgehog(x, W, b)
     xs = x / math.sqrt(math.sqrt(d))
     if kernel == "elu+1":
         return jax.nn.elu(xs) + 1
@@ -47,10 +57,12 @@ def features(kernel: str, x: jax.Array, W: Optional[jax.Array] = None) -> jax.Ar
     raise ValueError(f"kernel must be one of {APPROX_KERNELS}, got {kernel!r}")
 
 
-def prompt_state(kernel: str, k: jax.Array, v: jax.Array, W: Optional[jax.Array] = None):
+def prompt_state(kernel: str, k: jax.Array, v: jax.Array, W: Optional[jax.Array] = None,
+                 b: Optional[jax.Array] = None):
     """``B = sum_i phi(k_i) v_i^T: f[batch, heads, F, d]`` and ``b = sum_i phi(k_i): f[batch, heads, F]``
-    from prompt keys and values ``f[batch, heads, n, d]``."""
-    fk = features(kernel, k, W)
+    from prompt keys and values ``f[batch, heads, n, d]`` (``W``, ``b``: as for ``features``; the
+    learned kernel's key map)."""
+    fk = features(kernel, k, W, b)
     return jnp.einsum("bhnf,bhnd->bhfd", fk, v.astype(fk.dtype)), fk.sum(axis=2)
 
 
@@ -77,3 +89,20 @@ def shared_softmax(logits: jax.Array, Z_prompt: jax.Array):
     scale = jnp.exp(-m)
     den = Z_prompt * scale + e.sum(axis=-1)
     return e / den[..., None], scale / den
+
+
+def hybrid_weights(logits: jax.Array, g: jax.Array, Z_prompt: jax.Array):
+    """The weights of LoLCATs' hybrid, with the prompt as its linear part: the exact (visible) keys
+    weigh ``g_h e^{s_i - c_t}``, c_t = max_j s_j, the prompt ``Z = phi_q(q).b``, under one normaliser
+    ``D = sum_j g_h e^{s_j - c_t} + Z``. Returns ``(w_i = g_h e^{s_i - c_t} / D, 1 / D)``: the output is
+    ``sum_i w_i v_i + N / D``.
+
+    ``logits: f[batch, heads, T, keys]`` with invisible keys at -inf (each query sees itself),
+    ``g: f[heads]``, ``Z_prompt: f[batch, heads, T]``. c_t is part of the formula, not a stabiliser:
+    the learned maps were trained next to e^{s - c_t} (``hybrid_attention``), and a different shift
+    would change the balance between the two parts.
+    """
+    c = jnp.max(logits, axis=-1, keepdims=True)
+    e = g.astype(logits.dtype)[:, None, None] * jnp.exp(logits - c)
+    den = e.sum(axis=-1) + Z_prompt
+    return e / den[..., None], 1 / den

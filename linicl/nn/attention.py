@@ -264,8 +264,15 @@ class Attention(nn.Module):
         (``prompt_approx``: see ``linicl.iclca.convert_approx``). ``hook_pattern`` then holds the
         weights of the real keys; 1 minus its row sum is the prompt's share."""
         B, dt = q.shape[0], logits.dtype
-        phi_q = prompt_kernels.features(approx.kernel, q, approx.W)
+        if approx.g is None:
+            phi_q = prompt_kernels.features(approx.kernel, q, approx.W)
+        else:  # the learned kernel: the student's query map, read from the stored prompt
+            phi_q = prompt_kernels.features(approx.kernel, q, approx.phi_W, approx.phi_b)
         N, Z = prompt_kernels.prompt_terms(phi_q.astype(dt), _batched(approx.B, B, dt), _batched(approx.b, B, dt))
+        if approx.g is not None:  # the student's hybrid: g_h e^{s - c_t} next to phi_q(q).phi_k(k)
+            weights, c = prompt_kernels.hybrid_weights(logits, approx.g, Z)
+            pattern = site(self, "hook_pattern", weights, pos_axis=2, head_axis=1)
+            return jnp.einsum("bhts,bhsd->bhtd", pattern, v.astype(pattern.dtype)) + c[..., None] * N
         if approx.lam is None:  # one normaliser shared by the prompt and the input
             weights, c = prompt_kernels.shared_softmax(logits, Z)
             pattern = site(self, "hook_pattern", weights, pos_axis=2, head_axis=1)
