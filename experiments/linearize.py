@@ -61,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--maps", default=None, help="load trained maps instead of training")
+    p.add_argument("--from-checkpoint", default=None,
+                   help="evaluate the maps of a stage-1 checkpoint as far as it got (an unfinished run)")
     p.add_argument("--eval-seqs", type=int, default=16)
     p.add_argument("--eval-len", type=int, default=512)
     p.add_argument("--tasks", nargs="+", default=list(WORD_TASKS), help="word tasks for the ICL table")
@@ -94,6 +96,13 @@ def stage1(teacher, tv, tok, args):
         student, sv, meta = linearize.load_maps(args.maps, teacher, tv)
         return student, sv, dict(loaded=args.maps, meta=meta)
     sv = linearize.student_variables(student, tv, seed=args.seed)
+    if args.from_checkpoint:
+        sv, info = linearize.maps_from_checkpoint(args.from_checkpoint, student, sv)
+        tokens = info["step"] * info["settings"]["batch_size"] * info["settings"]["sequences"][1]
+        linearize.save_maps(os.path.join(args.out, "maps.safetensors"), student, sv,
+                            meta=dict(tokens=tokens, steps=info["step"], teacher=args.model or "SmolLM2"))
+        return student, sv, dict(history=info["history"], tokens_seen=tokens, steps_reached=info["step"],
+                                 of_steps=info["settings"]["steps"], checkpoint=args.from_checkpoint)
     seqs = linearize.training_sequences(tok, TRAIN_TASKS if not args.quick else ("antonym", "sst2"),
                                         n=args.train_seqs, length=args.seq_len, seed=args.seed,
                                         data_dir=args.data_dir)

@@ -19,8 +19,8 @@ from linicl.linearize.maps import SMOLLM2_MAPS, load_maps, save_maps, smollm2
 from linicl.linearize.quality import next_token_loss
 from linicl.linearize.student import merge, split, student_config, student_variables
 from linicl.linearize.text import training_sequences
-from linicl.linearize.transfer import History, teacher_targets, train_maps
+from linicl.linearize.transfer import History, maps_from_checkpoint, teacher_targets, train_maps
 
 __all__ = ["student_config", "student_variables", "split", "merge", "training_sequences", "teacher_targets",
-           "train_maps", "History", "next_token_loss", "save_maps", "load_maps", "smollm2",
+           "train_maps", "maps_from_checkpoint", "History", "next_token_loss", "save_maps", "load_maps", "smollm2",
            "SMOLLM2_MAPS"]

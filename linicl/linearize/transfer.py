@@ -161,4 +161,19 @@ def train_maps(teacher, teacher_variables, student, student_variables, sequences
     return {**student_variables, PARAMS: params}, history
 
 
-__all__ = ["History", "teacher_targets", "layer_losses", "train_maps"]
+def maps_from_checkpoint(path, student, student_variables):
+    """The maps a stage-1 checkpoint holds, finished or not: ``(student_variables, info)`` with
+    ``info = {"step", "settings", "history"}`` (the step it reached, the run's settings and its loss
+    history), to evaluate a run that is still going or was stopped."""
+    head = ckpt.header(path)
+    if head.settings.get("trainer") != "linicl.linearize.train_maps":
+        raise LiniclError(f"{path} is not a stage-1 checkpoint of linicl.linearize.train_maps")
+    trained, _ = split(student_variables[PARAMS])
+    template = {"trained": trained, "opt": optax.adam(head.settings["lr"]).init(trained)}
+    state, meta = ckpt.load(path, template, settings=head.settings)
+    params = merge(jax.tree_util.tree_map(jnp.asarray, state["trained"]), student_variables[PARAMS])
+    info = dict(step=int(meta["step"]), settings=head.settings, history=History(*meta["history"])._asdict())
+    return {**student_variables, PARAMS: params}, info
+
+
+__all__ = ["History", "teacher_targets", "layer_losses", "train_maps", "maps_from_checkpoint"]

@@ -89,6 +89,11 @@ def test_training_resumes_bit_identically(teacher, sequences, tmp_path, monkeypa
     resumed, hist = LZ.train_maps(model, variables, student, sv, sequences, checkpoint=path, **common)
     same = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), whole["params"], resumed["params"])
     assert jax.tree_util.tree_all(same) and hist.step[-1] == 5
+    # The maps of a run can be read from its checkpoint at any step (here: the finished one).
+    part, info = LZ.maps_from_checkpoint(path, student, sv)
+    assert info["step"] == 6 and info["settings"]["steps"] == 6 and len(info["history"]["step"]) >= 1
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)),
+                                                         part["params"], resumed["params"]))
     with pytest.raises(DataError, match="steps"):  # a checkpoint of another run is refused by name
         LZ.train_maps(model, variables, student, sv, sequences, checkpoint=path, **dict(common, steps=8))
 
