@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,7 +110,8 @@ def run_one(name: str, results: Path, quick: bool, force: bool) -> None:
     start = time.time()
     with open(out / "stdout.txt", "w") as log:
         code = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    record = dict(command=" ".join(["python", *cmd[1:]]), quick=quick, exit_code=code,
+    shown = [os.path.relpath(c, ROOT) if os.path.isabs(c) and c.startswith(str(ROOT)) else c for c in cmd[1:]]
+    record = dict(command=" ".join(["python", *shown]), quick=quick, exit_code=code,
                   wall_s=round(time.time() - start, 1),
                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     (out / "run.json").write_text(json.dumps(record, indent=1))
@@ -123,7 +125,8 @@ def _headline(name: str, report: dict, out: Path) -> str:
         from linicl.verify import format_table
         return "```\n" + format_table(report) + "\n```"
     printed = (out / "stdout.txt").read_text(errors="replace") if (out / "stdout.txt").exists() else ""
-    lines = [ln for ln in printed.splitlines() if ln.strip() and "\r" not in ln and "it/s]" not in ln
+    progress = re.compile(r"\d+%\|")  # tqdm bars
+    lines = [ln for ln in printed.splitlines() if ln.strip() and "\r" not in ln and not progress.search(ln)
              and not ln.startswith("wrote ")]
     return "```\n" + "\n".join(lines[-40:]) + "\n```" if lines else "(no table)"
 
