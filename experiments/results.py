@@ -10,7 +10,7 @@ Each experiment runs as its own process (``sys.executable experiments/<script> .
 wall time (``run.json``). A finished experiment is not run again unless ``--force`` (the long ones
 resume from their own checkpoints when they support it). The headline of a section is the table the
 experiment itself stored in its JSON (``"table"``; intervals included), else the table it printed.
-Small PNG plots are copied to ``docs/results/`` (committed) and linked. Each section also says what
+Small PNG plots are copied to ``docs/figures/`` (committed) and linked. Each section also says what
 the papers publish to compare with, and says so when they publish nothing comparable.
 """
 
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="run again even when a result exists")
     p.add_argument("--results", default=str(ROOT / "results"), help="results folder (default: results/)")
     p.add_argument("--output", default=str(ROOT / "RESULTS.md"), help="the file to write")
-    p.add_argument("--figures", default=str(ROOT / "docs" / "results"), help="where plots are copied")
+    p.add_argument("--figures", default=str(ROOT / "docs" / "figures"), help="where plots are copied")
     args = p.parse_args(argv)
     results = Path(args.results)
     if args.run:
