@@ -150,6 +150,10 @@ def icl(teacher, tv, student, sv, tok, args, bar=None) -> dict:
                 alone = [dataclasses.replace(p, tokens=p.tokens[n:], roles=p.roles[n:], query_start=0)
                          for p in prompts]
                 res["student converted"] = evaluate_prompts(student, converted, **dict(common, prompts=alone))
+                # The unmodified softmax model with its demonstrations as learned-kernel bias terms.
+                approx = iclca.convert_approx(teacher, tv, jnp.asarray(prompts[0].tokens[:n])[None],
+                                              kernel="learned", maps=sv)
+                res["softmax + learned-kernel prompt"] = evaluate_prompts(teacher, approx, **dict(common, prompts=alone))
             row = {m: r.summary() | {"correct": r.correct.astype(int).tolist(), "predictions": list(r.predictions)}
                    for m, r in res.items()}
             if "student converted" in res:  # exact conversion: the same answers, by construction
@@ -171,6 +175,10 @@ def gains(rows: dict, args) -> dict:
         g = stats.gain(few["softmax"]["correct"], zero["softmax"]["correct"])
         rec = stats.recovered(few["student"]["correct"], few["softmax"]["correct"], zero["softmax"]["correct"])
         out[name] = dict(k=k, gain=g._asdict(), student_recovered=None if rec is None else rec._asdict())
+        if "softmax + learned-kernel prompt" in few:
+            ap = stats.recovered(few["softmax + learned-kernel prompt"]["correct"], few["softmax"]["correct"],
+                                 zero["softmax"]["correct"])
+            out[name]["learned_kernel_recovered"] = None if ap is None else ap._asdict()
     return out
 
 
@@ -197,18 +205,20 @@ def tables(report: dict) -> str:
             for m, v in ho.items()]
     lines += [reporting.markdown_table(["model", "mean", "gap"] + buckets, rows), ""]
     lines += ["ICL accuracy, % [95 % Wilson] (exact match; (const) = one answer for every query):", ""]
-    methods = ["softmax", "student", "student converted"]
+    methods = ["softmax", "student", "student converted", "softmax + learned-kernel prompt"]
     rows = []
     for cell, res in report["icl"].items():
         rows.append([cell + ("" if res.get("converted_same_answers", True) else " (CONVERTED DIFFERS)")] + [(f"{100 * res[m]['accuracy']:.1f} [{100 * res[m]['ci_low']:.1f}, {100 * res[m]['ci_high']:.1f}]"
                                + (" (const)" if res[m]["constant"] else "")) if m in res else "-" for m in methods])
     lines += [reporting.markdown_table(["task, k"] + methods, rows), ""]
     lines += ["Share of the softmax model's few-shot gain the student keeps (only where the gain is significant):", ""]
+    def share(r):
+        return "n.s. gain" if r is None else f"{r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
     rows = [[t, g["k"], f"{100 * g['gain']['value']:.1f} [{100 * g['gain']['low']:.1f}, {100 * g['gain']['high']:.1f}]",
-             "n.s. gain" if g["student_recovered"] is None else
-             f"{g['student_recovered']['value']:.2f} [{g['student_recovered']['low']:.2f}, {g['student_recovered']['high']:.2f}]"]
+             share(g["student_recovered"]), share(g.get("learned_kernel_recovered"))]
             for t, g in report["gains"].items()]
-    lines += [reporting.markdown_table(["task", "k", "softmax gain, points", "student keeps"], rows), ""]
+    lines += [reporting.markdown_table(["task", "k", "softmax gain, points", "student keeps",
+                                        "softmax + learned-kernel prompt keeps"], rows), ""]
     rows = [[r["prompt_len"], f"{r['prompted_s'] * 1e3:.1f}", f"{r['converted_s'] * 1e3:.1f}",
              f"{r['prompted_s'] / r['converted_s']:.1f}x", r["state_floats"], r["kv_cache_floats"]] for r in report["timing"]]
     lines += [reporting.markdown_table(["prompt", "prompted ms", "converted ms", "speed-up", "state floats",
