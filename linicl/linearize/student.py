@@ -39,12 +39,11 @@ def student_config(teacher: ModelConfig, *, window: int = 16, sinks: int = 4, fe
 
 def student_variables(student, teacher_variables: Mapping, seed: int = 0) -> dict:
     """The student's variables: its new parameters at their initial values (identity maps, gate 0),
-    every other parameter the teacher's (same names, shapes and dtypes: checked)."""
+    every other parameter the teacher's (same names and shapes: checked)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
     fresh = jax.jit(student.init)(jax.random.PRNGKey(seed), tokens)[PARAMS]
-    new, _ = split(fresh)
+    new, student_rest = split(fresh)
     _, teacher_rest = split(teacher_variables[PARAMS])
-    _, student_rest = split(fresh)
     want = jax.tree_util.tree_structure(student_rest)
     if jax.tree_util.tree_structure(teacher_rest) != want:
         raise LiniclError("the teacher's parameters do not match the student's (another architecture?)")
