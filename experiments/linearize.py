@@ -31,13 +31,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 import linicl
 from linicl import data, iclca, linearize, reporting, stats
 from linicl.evaluate import evaluate_prompts
 from linicl.timing import time_call
 
-WORD_TASKS = ("present-past", "singular-plural", "capitalize", "country-capital")
 TRAIN_TASKS = ("sst2", "trec", "agnews", "cb", "antonym", "synonym", "present-past", "singular-plural",
                "capitalize", "country-capital", "country-currency", "english-french", "english-spanish",
                "landmark-country", "person-occupation", "sentiment")
@@ -65,17 +65,21 @@ def parse_args(argv=None):
                    help="evaluate the maps of a stage-1 checkpoint as far as it got (an unfinished run)")
     p.add_argument("--eval-seqs", type=int, default=16)
     p.add_argument("--eval-len", type=int, default=512)
-    p.add_argument("--tasks", nargs="+", default=list(WORD_TASKS), help="word tasks for the ICL table")
+    p.add_argument("--tasks", nargs="+", default=None,
+                   help="word tasks for the ICL table (default: every open-ended task in the data directory)")
     p.add_argument("--k", nargs="+", type=int, default=[0, 1, 4, 8])
     p.add_argument("--n-eval", type=int, default=24)
     p.add_argument("--bos", choices=list(BOS_FLAG), default="auto")
     p.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 4096],
                    help="prompt lengths of the timing table")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the held-out losses and ICL cells an earlier run with the same settings left in "
+                        "OUT/progress.json (written after every cell)")
     args = p.parse_args(argv)
     if args.quick:
         args.model = args.model or FIXTURE
         args.train_seqs, args.seq_len, args.steps, args.batch_size = 16, 32, 4, 4
-        args.eval_seqs, args.eval_len, args.tasks, args.k, args.n_eval = 4, 64, ["antonym"], [0, 1], 4
+        args.eval_seqs, args.eval_len, args.tasks, args.k, args.n_eval = 4, 64, args.tasks or ["antonym"], [0, 1], 4
         args.window, args.sinks, args.lengths = 4, 1, [32, 128]
     for name in ("steps", "train_seqs", "seq_len", "batch_size", "eval_seqs", "eval_len", "n_eval"):
         if getattr(args, name) < (0 if name == "steps" else 1):
@@ -133,35 +137,48 @@ def held_out(teacher, tv, student, sv, tok, args) -> dict:
     return out
 
 
-def icl(teacher, tv, student, sv, tok, args, bar=None) -> dict:
-    """Per task and k: softmax, student, student with the demonstrations converted (query alone)."""
-    rows = {}
-    for name in args.tasks:
-        task = data.load_task(name, args.data_dir)
-        for k in args.k:
-            prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval,
-                                          same_demos=True, add_bos=BOS_FLAG[args.bos])
-            common = dict(tokenizer=tok, prompts=prompts, task=name, k=k, progress=False)
-            res = {"softmax": evaluate_prompts(teacher, tv, **common),
-                   "student": evaluate_prompts(student, sv, **common)}
-            n = prompts[0].query_start
-            if n:  # the shared demonstrations (and BOS) become the student's weights
-                converted = iclca.convert(student, sv, jnp.asarray(prompts[0].tokens[:n])[None])
-                alone = [dataclasses.replace(p, tokens=p.tokens[n:], roles=p.roles[n:], query_start=0)
-                         for p in prompts]
-                res["student converted"] = evaluate_prompts(student, converted, **dict(common, prompts=alone))
-                # The unmodified softmax model with its demonstrations as learned-kernel bias terms.
-                approx = iclca.convert_approx(teacher, tv, jnp.asarray(prompts[0].tokens[:n])[None],
-                                              kernel="learned", maps=sv)
-                res["softmax + learned-kernel prompt"] = evaluate_prompts(teacher, approx, **dict(common, prompts=alone))
-            row = {m: r.summary() | {"correct": r.correct.astype(int).tolist(), "predictions": list(r.predictions)}
-                   for m, r in res.items()}
-            if "student converted" in res:  # exact conversion: the same answers, by construction
-                row["converted_same_answers"] = res["student converted"].predictions == res["student"].predictions
-            rows[f"{name} k={k}"] = row
-            if bar is not None:
-                bar.update(1)
-    return rows
+def icl(teacher, tv, student, sv, tok, args, prog: reporting.Progress) -> dict:
+    """Per task and k: softmax, student, student with the demonstrations converted (query alone), and
+    the softmax model with the demonstrations as learned-kernel bias terms. Each finished (task, k) cell
+    is saved in ``prog`` at once and reused by a resumed run."""
+    cells = [(name, k) for name in args.tasks for k in args.k]
+    bar = tqdm(total=len(cells), desc="ICL cells", disable=not args.progress)
+    for name, k in cells:
+        key = f"{name} k={k}"
+        bar.set_postfix_str(key)
+        if prog.get(key) is None:
+            t0 = time.perf_counter()
+            prog.put(key, icl_cell(teacher, tv, student, sv, tok, data.load_task(name, args.data_dir), k, args)
+                     | {"wall_s": time.perf_counter() - t0})
+        bar.update(1)
+    bar.close()
+    return {f"{name} k={k}": prog.get(f"{name} k={k}") for name, k in cells}
+
+
+def icl_cell(teacher, tv, student, sv, tok, task, k: int, args) -> dict:
+    """One (task, k) cell of ``icl``: every method's summary, correct flags and predictions."""
+    name = task.name
+    prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval,
+                                  same_demos=True, add_bos=BOS_FLAG[args.bos])
+    common = dict(tokenizer=tok, prompts=prompts, task=name, k=k, progress=False)
+    res = {"softmax": evaluate_prompts(teacher, tv, **common),
+           "student": evaluate_prompts(student, sv, **common)}
+    n = prompts[0].query_start
+    if n:  # the shared demonstrations (and BOS) become the student's weights
+        converted = iclca.convert(student, sv, jnp.asarray(prompts[0].tokens[:n])[None])
+        alone = [dataclasses.replace(p, tokens=p.tokens[n:], roles=p.roles[n:], query_start=0)
+                 for p in prompts]
+        res["student converted"] = evaluate_prompts(student, converted, **dict(common, prompts=alone))
+        # The unmodified softmax model with its demonstrations as learned-kernel bias terms.
+        approx = iclca.convert_approx(teacher, tv, jnp.asarray(prompts[0].tokens[:n])[None],
+                                      kernel="learned", maps=sv)
+        res["softmax + learned-kernel prompt"] = evaluate_prompts(teacher, approx, **dict(common, prompts=alone))
+    row = {m: r.summary() | {"correct": r.correct.astype(int).tolist(), "predictions": list(r.predictions)}
+           for m, r in res.items()}
+    if "student converted" in res:  # exact conversion: the same answers, by construction
+        row["converted_same_answers"] = res["student converted"].predictions == res["student"].predictions
+    row["prompt_tokens"] = int(n)  # demonstrations (and BOS): compare with the window
+    return row
 
 
 def gains(rows: dict, args) -> dict:
@@ -179,6 +196,23 @@ def gains(rows: dict, args) -> dict:
             ap = stats.recovered(few["softmax + learned-kernel prompt"]["correct"], few["softmax"]["correct"],
                                  zero["softmax"]["correct"])
             out[name]["learned_kernel_recovered"] = None if ap is None else ap._asdict()
+    return out
+
+
+def pooled_gain(rows: dict, args) -> dict | None:
+    """The issue's headline: the softmax gain at the largest k averaged over the tasks (their queries
+    pooled, equal numbers per task) and the share of it each method keeps, with bootstrap intervals."""
+    k = max(args.k)
+    names = [t for t in args.tasks if f"{t} k=0" in rows and f"{t} k={k}" in rows]
+    if not names or k == 0:
+        return None
+    flat = lambda cell, m: np.concatenate([rows[f"{t} k={cell}"][m]["correct"] for t in names])  # noqa: E731
+    zero, few = flat(0, "softmax"), flat(k, "softmax")
+    out = dict(k=k, tasks=names, n=int(zero.size), gain=stats.gain(few, zero)._asdict())
+    for m in ("student", "softmax + learned-kernel prompt"):
+        if all(m in rows[f"{t} k={k}"] for t in names):
+            rec = stats.recovered(flat(k, m), few, zero)
+            out[m] = None if rec is None else rec._asdict()
     return out
 
 
@@ -217,8 +251,18 @@ def tables(report: dict) -> str:
     rows = [[t, g["k"], f"{100 * g['gain']['value']:.1f} [{100 * g['gain']['low']:.1f}, {100 * g['gain']['high']:.1f}]",
              share(g["student_recovered"]), share(g.get("learned_kernel_recovered"))]
             for t, g in report["gains"].items()]
+    pooled = report.get("pooled_gain")
+    if pooled:
+        g = pooled["gain"]
+        rows.append([f"all {len(pooled['tasks'])} tasks, pooled (n={pooled['n']})", pooled["k"],
+                     f"{100 * g['value']:.1f} [{100 * g['low']:.1f}, {100 * g['high']:.1f}]",
+                     share(pooled.get("student")), share(pooled.get("softmax + learned-kernel prompt"))])
     lines += [reporting.markdown_table(["task", "k", "softmax gain, points", "student keeps",
                                         "softmax + learned-kernel prompt keeps"], rows), ""]
+    shortest = min((c["prompt_tokens"] for c in report["icl"].values() if c.get("prompt_tokens")), default=None)
+    if shortest is not None:
+        lines += [f"Shortest converted prompt: {shortest} tokens (student window "
+                  f"{report['settings']['window']}, sinks {report['settings']['sinks']}).", ""]
     rows = [[r["prompt_len"], f"{r['prompted_s'] * 1e3:.1f}", f"{r['converted_s'] * 1e3:.1f}",
              f"{r['prompted_s'] / r['converted_s']:.1f}x", r["state_floats"], r["kv_cache_floats"]] for r in report["timing"]]
     lines += [reporting.markdown_table(["prompt", "prompted ms", "converted ms", "speed-up", "state floats",
@@ -241,17 +285,26 @@ def figure(plt, report):
     return fig
 
 
+# settings that change no number: a resumed run may differ in these
+PROGRESS_IGNORES = ("out", "progress", "plots", "resume", "data_dir", "lengths")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.tasks = args.tasks or data.list_tasks(args.data_dir, answers="open")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     teacher, tv, tok, source = load_teacher(args)
     student, sv, s1 = stage1(teacher, tv, tok, args)
     report = dict(settings=vars(args), model=dict(source=source, student=student.cfg.describe()), stage1=s1,
                   machine=reporting.machine_info())
-    report["held_out"] = held_out(teacher, tv, student, sv, tok, args)
-    report["icl"] = icl(teacher, tv, student, sv, tok, args)
+    prog = reporting.Progress(os.path.join(args.out, "progress.json"),
+                              reporting.fingerprint(vars(args), ignore=PROGRESS_IGNORES), args.resume)
+    report["resumed"] = prog.resumed
+    report["held_out"] = prog.get("held_out") or prog.put("held_out", held_out(teacher, tv, student, sv, tok, args))
+    report["icl"] = icl(teacher, tv, student, sv, tok, args, prog)
     report["gains"] = gains(report["icl"], args)
+    report["pooled_gain"] = pooled_gain(report["icl"], args)
     report["timing"] = timing(student, sv, args)
     report["wall_s"] = time.perf_counter() - t0
     report["table"] = text = tables(report)

@@ -19,10 +19,12 @@ per process, and returns None, so a script never fails after its numbers are wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -150,3 +152,73 @@ def plot(path, draw: Callable, *args, dpi: int = 110) -> Optional[Path]:
     finally:
         plt.close(fig)
     return path
+
+
+# ------------------------------------------------------------------------------ resumable runs
+def fingerprint(settings: dict, ignore: Sequence[str] = ()) -> str:
+    """A short hash of the settings that change a result (``ignore``: output folder, progress bars and
+    the like), so that a resumed run never mixes numbers made under other settings."""
+    import hashlib
+
+    kept = {k: v for k, v in sorted(settings.items()) if k not in set(ignore)}
+    return hashlib.sha1(json.dumps(kept, sort_keys=True, default=_plain).encode()).hexdigest()[:12]
+
+
+class Progress:
+    """A long run's finished work in ``path`` (JSON, rewritten atomically after every ``put``), so that an
+    interrupted run resumes where it stopped.
+
+    ``state`` holds the ``fingerprint`` of the settings, ``results`` (a finished unit's row by key, e.g.
+    one task or one (task, k) cell) and ``timings`` (wall seconds by phase name). A file made under other
+    settings, or ``resume=False``, starts afresh (said on stderr when a file is set aside).
+
+        prog = reporting.Progress(os.path.join(out, "progress.json"), fingerprint(vars(args), ignore), resume)
+        for key in cells:
+            row = prog.get(key) or prog.put(key, compute(key))
+    """
+
+    def __init__(self, path, fp: str, resume: bool = True):
+        self.path = Path(path)
+        self.state = {"fingerprint": fp, "timings": {}, "results": {}}
+        if resume and self.path.exists():
+            with open(self.path) as f:
+                old = json.load(f)
+            if old.get("fingerprint") == fp:
+                self.state = {**self.state, **old}
+            else:
+                print(f"resume: {self.path} was made under other settings ({old.get('fingerprint')} != {fp}); "
+                      "starting afresh", file=sys.stderr)
+        self.resumed = bool(self.state["timings"] or self.state["results"])
+
+    @property
+    def results(self) -> dict:
+        return self.state["results"]
+
+    def get(self, key: str):
+        """The finished row of ``key``, or None."""
+        return self.state["results"].get(key)
+
+    def put(self, key: str, row):
+        """Record ``row`` as the finished result of ``key`` and save; returns ``row``."""
+        self.state["results"][key] = row
+        self.save()
+        return row
+
+    def done(self, phase: str) -> bool:
+        return f"{phase}_s" in self.state["timings"]
+
+    def save(self) -> None:
+        write_json(self.path, self.state)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time the block and record it as finished phase ``name`` when it ends without an error."""
+        t0 = time.perf_counter()
+        yield
+        self.timed(name, time.perf_counter() - t0)
+
+    def timed(self, phase: str, seconds: float) -> None:
+        """Record that ``phase`` finished after ``seconds`` of wall time (added to an earlier part)."""
+        key = f"{phase}_s"
+        self.state["timings"][key] = self.state["timings"].get(key, 0.0) + float(seconds)
+        self.save()

@@ -366,11 +366,17 @@ def split_examples(examples: Sequence[Example], n_test: int, seed: int,
 
 # ----------------------------------------------------------------------------- public loaders
 
-def list_tasks(data_dir: str | os.PathLike | None = None) -> list[str]:
-    """Names of the tasks whose files are all present under the data directory, sorted."""
+def list_tasks(data_dir: str | os.PathLike | None = None, *, answers: str | None = None) -> list[str]:
+    """Names of the tasks whose files are all present under the data directory, sorted.
+
+    answers: None (every task), "open" (open-ended answers, e.g. the word tasks) or "closed" (a fixed
+        set of label words, e.g. classification)."""
+    if answers not in (None, "open", "closed"):
+        raise LiniclError(f"answers must be None, 'open' or 'closed', got {answers!r}")
     root = resolve_data_dir(data_dir)
     return [name for name, spec in all_specs(root).items()
-            if all((root / f.path).is_file() for _, f in spec.files)]
+            if all((root / f.path).is_file() for _, f in spec.files)
+            and (answers is None or (spec.labels is None) == (answers == "open"))]
 
 
 def _label_words(spec: TaskSpec, label_words: Mapping[str, str] | None) -> dict[str, str] | None:

@@ -162,6 +162,10 @@ def test_tiny_word_tasks(tiny):
     assert csqa.labels == tuple("abcde") and sorted(e.output for e in csqa.test) == list("abcde")
     assert "\nb: y\n" in csqa.test[0].input                         # choices stay lines of the input
     assert list_tasks(tiny) == ["agnews", "antonym", "cb", "commonsense_qa", "sst2", "trec"]
+    assert list_tasks(tiny, answers="open") == ["antonym"]
+    assert list_tasks(tiny, answers="closed") == ["agnews", "cb", "commonsense_qa", "sst2", "trec"]
+    with pytest.raises(LiniclError, match="answers"):
+        list_tasks(tiny, answers="words")
 
 
 def test_split_is_deterministic_and_independent_of_row_order(tmp_path):

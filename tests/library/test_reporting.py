@@ -117,3 +117,25 @@ def test_a_script_without_matplotlib_writes_its_json_and_says_so(tmp_path):
     assert lines.index(reporting.PLOTS_SKIPPED) > max(i for i, s in enumerate(lines) if s.startswith("n="))
     assert json.loads((tmp_path / "implicit_dherin_float32.json").read_text())["finetuning"]
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_fingerprint_ignores_what_changes_no_number():
+    a = reporting.fingerprint(dict(seed=0, out="x", tasks=["a"]), ignore=("out",))
+    assert a == reporting.fingerprint(dict(seed=0, out="y", tasks=["a"]), ignore=("out",))
+    assert a != reporting.fingerprint(dict(seed=1, out="x", tasks=["a"]), ignore=("out",))
+
+
+def test_progress_resumes_only_under_the_same_settings(tmp_path, capsys):
+    path = tmp_path / "progress.json"
+    prog = reporting.Progress(path, "fp1")
+    assert not prog.resumed and prog.get("cell") is None
+    assert prog.put("cell", {"acc": np.float64(0.5)}) == {"acc": 0.5}
+    with prog.phase("train"):
+        pass
+    again = reporting.Progress(path, "fp1")           # an interrupted run, restarted
+    assert again.resumed and again.get("cell") == {"acc": 0.5} and again.done("train")
+    fresh = reporting.Progress(path, "fp1", resume=False)
+    assert not fresh.resumed and fresh.get("cell") is None
+    other = reporting.Progress(path, "fp2")            # other settings: never mixed in
+    assert not other.resumed and other.get("cell") is None
+    assert "other settings" in capsys.readouterr().err

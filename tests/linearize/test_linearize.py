@@ -158,6 +158,14 @@ def test_quick_experiment_runs_and_the_converted_student_answers_as_the_prompted
     assert cells and all(c["converted_same_answers"] for c in cells)
     assert report["timing"][0]["state_floats"] == report["timing"][1]["state_floats"]  # independent of n
     assert "Held-out next-token loss" in run.stdout
+    # An interrupted evaluation resumes: the finished cells come back from OUT/progress.json unchanged
+    # (stage 1 resumes from its own checkpoint, which is complete).
+    again = subprocess.run([sys.executable, str(REPO / "experiments" / "linearize.py"), "--quick", "--no-progress",
+                            "--no-plots", "--resume", "--out", str(tmp_path)], capture_output=True, text=True,
+                           timeout=900)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    resumed = json.loads((tmp_path / "linearize.json").read_text())
+    assert resumed["resumed"] and resumed["icl"] == report["icl"] and resumed["held_out"] == report["held_out"]
 
 
 @pytest.mark.skipif(not os.environ.get("CI") and not LZ.SMOLLM2_MAPS.is_file(), reason="no shipped maps here")
