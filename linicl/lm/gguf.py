@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from linicl.errors import LiniclError
+from linicl.errors import DataError, LiniclError
 
 __all__ = ["GGML_TYPES", "GGUFFile", "TensorInfo", "permute_qk", "read_gguf", "smollm2_gguf_path",
            "unpermute_qk"]
@@ -107,7 +107,7 @@ class TensorInfo:
 
 
 class _Corrupt(Exception):
-    """Internal: a malformed header; turned into a LiniclError that names the file."""
+    """Internal: a malformed header; turned into a DataError that names the file."""
 
 
 class _Cursor:
@@ -210,20 +210,20 @@ class GGUFFile:
         """The stored bytes of tensor ``name`` as a 1-D uint8 array (a fresh copy read from the file)."""
         info = self._info(name)
         if info.nbytes is None:
-            raise LiniclError(f"{self.path}: tensor {name!r} has ggml type id {info.ggml_type}, which this "
-                              f"reader does not know; cannot locate or decode it")
+            raise DataError(f"{self.path}: tensor {name!r} has ggml type id {info.ggml_type}, which this "
+                            f"reader does not know; cannot locate or decode it")
         try:
             st = os.stat(self.path)
         except OSError as e:
-            raise LiniclError(f"{self.path}: cannot read tensor {name!r}: {e}") from None
+            raise DataError(f"{self.path}: cannot read tensor {name!r}: {e}") from None
         if st.st_size != self._file_size or st.st_mtime_ns != self._mtime_ns:
-            raise LiniclError(f"{self.path}: the file changed since its header was read; call "
-                              f"read_gguf again")
+            raise DataError(f"{self.path}: the file changed since its header was read; call "
+                            f"read_gguf again")
         with open(self.path, "rb") as fh:
             fh.seek(info.offset)
             data = np.fromfile(fh, dtype=np.uint8, count=info.nbytes)
         if data.size != info.nbytes:
-            raise LiniclError(f"{self.path}: truncated data for tensor {name!r}")
+            raise DataError(f"{self.path}: truncated data for tensor {name!r}")
         return data
 
     def tensor(self, name: str, dtype: Any = np.float32) -> np.ndarray:
@@ -259,27 +259,27 @@ class _LazyTensors(Mapping):
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse the header of the GGUF file at ``path`` (metadata and tensor layout; tensor data is read on
-    access through ``.tensors`` / ``.tensor(name)``). Raises ``LiniclError`` naming the path when the file
-    is missing, unreadable, not GGUF, an unsupported version, or truncated/corrupt."""
+    access through ``.tensors`` / ``.tensor(name)``). Raises ``DataError`` (a ``LiniclError``) naming the
+    path when the file is missing, unreadable, not GGUF, an unsupported version, or truncated/corrupt."""
     path = Path(path)
     if not path.exists():
-        raise LiniclError(f"GGUF file not found: {path}")
+        raise DataError(f"GGUF file not found: {path}")
     if not path.is_file():
-        raise LiniclError(f"not a file: {path}")
+        raise DataError(f"not a file: {path}")
     try:
         st = os.stat(path)
         with open(path, "rb") as fh:
             if st.st_size < 24:
                 head = fh.read()
-                raise LiniclError(f"{path}: not a GGUF file (only {len(head)} bytes)"
-                                  if head[:4] == _MAGIC else f"{path}: not a GGUF file (bad magic {head[:4]!r})")
+                raise DataError(f"{path}: not a GGUF file (only {len(head)} bytes)"
+                                if head[:4] == _MAGIC else f"{path}: not a GGUF file (bad magic {head[:4]!r})")
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 try:
                     return _parse(path, mm, st)
                 except _Corrupt as e:
-                    raise LiniclError(f"{path}: corrupt GGUF file: {e}") from None
+                    raise DataError(f"{path}: corrupt GGUF file: {e}") from None
     except OSError as e:
-        raise LiniclError(f"cannot read GGUF file {path}: {e}") from None
+        raise DataError(f"cannot read GGUF file {path}: {e}") from None
 
 
 def _parse(path: Path, mm, st: os.stat_result) -> GGUFFile:
@@ -287,13 +287,13 @@ def _parse(path: Path, mm, st: os.stat_result) -> GGUFFile:
     cur = _Cursor(mm, size)
     magic = bytes(mm[:4])
     if magic != _MAGIC:
-        raise LiniclError(f"{path}: not a GGUF file (bad magic {magic!r}, expected {_MAGIC!r})")
+        raise DataError(f"{path}: not a GGUF file (bad magic {magic!r}, expected {_MAGIC!r})")
     cur.pos = 4
     version = cur.scalar("<I", "version")
     if version not in (2, 3):
         if version & 0xFFFF == 0 and (version >> 24) in (2, 3):
-            raise LiniclError(f"{path}: big-endian GGUF files are not supported")
-        raise LiniclError(f"{path}: unsupported GGUF version {version} (this reader handles 2 and 3)")
+            raise DataError(f"{path}: big-endian GGUF files are not supported")
+        raise DataError(f"{path}: unsupported GGUF version {version} (this reader handles 2 and 3)")
     n_tensors = cur.scalar("<Q", "tensor count")
     n_kv = cur.scalar("<Q", "metadata count")
     # Every metadata entry takes >= 12 bytes and every tensor entry >= 24: bound the counts by the size.
@@ -399,7 +399,7 @@ def _decode(data: np.ndarray, info: TensorInfo, path: Path) -> np.ndarray:
     try:
         out = dequantize(data.reshape(*rows, -1), GGMLQuantizationType(info.ggml_type))
     except (NotImplementedError, ValueError) as e:
-        raise LiniclError(f"{path}: cannot dequantise tensor {info.name!r} of type {t}: {e}") from None
+        raise DataError(f"{path}: cannot dequantise tensor {info.name!r} of type {t}: {e}") from None
     return np.asarray(out, dtype=np.float32).reshape(info.shape)
 
 
