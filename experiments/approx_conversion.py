@@ -697,6 +697,8 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=2048, help="decode-cache size of rope models")
     p.add_argument("--bos", choices=list(BOS_FLAG), default="auto", help="prepend BOS (auto: as the "
                    "checkpoint's tokenizer says)")
+    p.add_argument("--resume", action="store_true", help="reuse the tasks an earlier run with the same settings "
+                   "finished (OUT/progress.json, written after every task)")
     args = p.parse_args(argv)
     if args.bucket != "geometric":
         args.bucket = int(args.bucket)
@@ -718,6 +720,22 @@ def effective_bos(tok, add_bos) -> bool:
     return bool(getattr(tok, "adds_bos", False)) if add_bos is None else bool(add_bos)
 
 
+# settings that change no number: a resumed run may differ in these
+PROGRESS_IGNORES = ("out", "progress", "resume", "data_dir")
+
+
+def one_task(model, variables, tok, name: str, args, specs, add_bos, bar) -> dict:
+    """``run_task`` on task ``name``: {"entry": its row (None when skipped), "skipped": [...]}."""
+    t0 = time.perf_counter()
+    try:
+        entry, skip = run_task(model, variables, tok, data.load_task(name, args.data_dir), args, specs, add_bos, bar)
+    except LiniclError as e:  # e.g. label words that are not single tokens for this tokenizer
+        bar.update(len(args.k))
+        return dict(entry=None, skipped=[dict(task=name, k=None, method="all", reason=str(e))])
+    entry["wall_s"] = time.perf_counter() - t0
+    return dict(entry=entry, skipped=skip)
+
+
 def run(args) -> dict:
     t_start = time.perf_counter()
     source, model, variables, tok = linicl.lm.load(args.model, max_len=args.max_len, require_tokenizer=True)
@@ -727,26 +745,27 @@ def run(args) -> dict:
         raise LiniclError("this experiment is about softmax models (a linear model's conversion is exact)")
     specs = variant_specs(args)
     tasks, skipped = {}, []
+    prog = reporting.Progress(os.path.join(args.out, "progress.json"),
+                              reporting.fingerprint(vars(args), ignore=PROGRESS_IGNORES), args.resume)
     bar = tqdm(total=len(args.tasks) * len(args.k), desc="approx conversion", disable=not args.progress)
     for name in args.tasks:
-        task = data.load_task(name, args.data_dir)
-        t0 = time.perf_counter()
-        try:
-            entry, skip = run_task(model, variables, tok, task, args, specs, add_bos, bar)
-        except LiniclError as e:  # e.g. label words that are not single tokens for this tokenizer
-            skipped.append(dict(task=name, k=None, method="all", reason=str(e)))
+        done = prog.get(name)  # a task an earlier run with these settings finished
+        if done is None:
+            done = prog.put(name, one_task(model, variables, tok, name, args, specs, add_bos, bar))
+        else:
             bar.update(len(args.k))
-            continue
-        entry["wall_s"] = time.perf_counter() - t0
-        tasks[name] = entry
-        skipped += skip
+        if done["entry"] is not None:
+            tasks[name] = done["entry"]
+        skipped += done["skipped"]
     bar.close()
     # the tasks' numbers survive an interrupted synthetic test
     reporting.write_json(os.path.join(args.out, "approx_conversion.json"),
                          dict(experiment="approx_conversion", complete=False, settings=vars(args), tasks=tasks,
                               skipped=skipped))
     t0 = time.perf_counter()
-    syn = synthetic(model, variables, specs, args, args.progress) if args.synthetic_pairs > 0 else None
+    syn = prog.get("synthetic test")
+    if syn is None and args.synthetic_pairs > 0:
+        syn = prog.put("synthetic test", synthetic(model, variables, specs, args, args.progress))
     syn_s = time.perf_counter() - t0
     cfg = model.cfg
     report = dict(

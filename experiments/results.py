@@ -30,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
-# name -> (title, script, default arguments, quick arguments, JSON file, plots, reference note)
+# name -> (title, script and arguments, quick arguments, arguments of the full run only, JSON file, plots,
+# reference note)
 EXPERIMENTS = {
     "verify": dict(
         title="Exact conversion on the zoo (`linicl verify`)",
@@ -51,7 +52,7 @@ EXPERIMENTS = {
                   "models (routing.md)."),
     "approx_conversion": dict(
         title="Approximate conversion of softmax prompts on SmolLM2",
-        cmd=["experiments/approx_conversion.py"], quick=["--quick"], json="approx_conversion.json",
+        cmd=["experiments/approx_conversion.py", "--resume"], quick=["--quick"], json="approx_conversion.json",
         plots=["accuracy.png", "kl.png"],
         reference="ICLCA (iclca.md section 7) describes the kernel approximation and its synthetic test; "
                   "it publishes no numbers for a pretrained LM."),
@@ -74,7 +75,10 @@ EXPERIMENTS = {
                   "their figures are qualitative."),
     "linearize": dict(
         title="Linearized SmolLM2: attention transfer, held-out loss, ICL with the prompt as weights",
-        cmd=["experiments/linearize.py"], quick=["--quick"], json="linearize.json", plots=["linearize.png"],
+        # the evaluation of the shipped maps (their training: `python experiments/linearize.py`, README)
+        cmd=["experiments/linearize.py", "--resume"], quick=["--quick"],
+        full=["--maps", "linicl/linearize/artifacts/smollm2_maps.safetensors"],
+        json="linearize.json", plots=["linearize.png"],
         reference="Hedgehog (arXiv 2402.04347) linearizes GPT-2 (125M) to 16.7 WikiText-103 perplexity; "
                   "LoLCATs (arXiv 2410.10254) closes most of Llama 3 8B's 5-shot MMLU gap with a window "
                   "of 64. Neither reports SmolLM2 or prompt conversion."),
@@ -105,7 +109,7 @@ def run_one(name: str, results: Path, quick: bool, force: bool) -> None:
         print(f"{name}: result exists ({out / spec['json']}); --force to run again")
         return
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [PY, *spec["cmd"], *(spec["quick"] if quick else []), "--out", str(out)]
+    cmd = [PY, *spec["cmd"], *(spec["quick"] if quick else spec.get("full", [])), "--out", str(out)]
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
     start = time.time()
     with open(out / "stdout.txt", "w") as log:

@@ -199,7 +199,9 @@ class Progress:
         return self.state["results"].get(key)
 
     def put(self, key: str, row):
-        """Record ``row`` as the finished result of ``key`` and save; returns ``row``."""
+        """Record ``row`` as the finished result of ``key`` and save; returns it as a resumed run reads it
+        back (JSON types: lists, not arrays), so that a fresh and a resumed run compute alike after it."""
+        row = json.loads(json.dumps(row, default=_plain))
         self.state["results"][key] = row
         self.save()
         return row

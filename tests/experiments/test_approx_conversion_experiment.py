@@ -107,3 +107,13 @@ def test_quick_run_writes_complete_json_and_plots(tmp_path):
     assert syn["methods"]["taylor2+sinks1000"]["logit_rel_err_median"] < 1e-4
     assert syn["methods"]["zero"]["logit_rel_err_median"] > 1e-2
     assert report["timing"]["total_s"] > 0 and "| antonym | 1 | 4 |" in run.stdout and "Wilson" in run.stdout
+
+    # --resume: every finished task and the synthetic test come back from OUT/progress.json unchanged
+    again = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--no-progress", "--sinks", "1000", "--resume",
+                            "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=str(ROOT),
+                           timeout=900)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    resumed = json.loads((tmp_path / "approx_conversion.json").read_text())
+    assert resumed["tasks"] == report["tasks"] and resumed["synthetic"] == report["synthetic"]
+    assert resumed["skipped"] == report["skipped"] and resumed["recovery"] == report["recovery"]
+    assert resumed["timing"]["total_s"] < report["timing"]["total_s"]
