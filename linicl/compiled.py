@@ -14,13 +14,26 @@ keeps compiled functions (no module-level ``lru_cache``), and nothing is compile
 
 The entries hold the model objects in their keys; clearing the cache releases them. Tests that build
 many models clear it between modules to keep memory bounded.
+
+Across processes, XLA's executables can be kept on disk by JAX's persistent compilation cache:
+``enable_persistent_cache()`` turns it on. Library code never calls it (it sets process-wide JAX
+options); the entry points do: the ``linicl`` CLI, the experiment and benchmark scripts, and the test
+session. ``$LINICL_COMPILATION_CACHE`` moves the folder (default ``~/.cache/linicl/jax``, under
+``$XDG_CACHE_HOME`` when set) or, set to ``off``, turns it off.
+
+    linicl.compiled.enable_persistent_cache()            # a script's main(), before compiling anything
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
-from typing import Callable, Hashable
+from pathlib import Path
+from typing import Callable, Hashable, Optional
+
+CACHE_ENV = "LINICL_COMPILATION_CACHE"
+_OFF = ("off", "0", "none", "false", "no")
 
 
 class FunctionCache:
@@ -85,3 +98,44 @@ def get(key: Hashable, build: Callable[[], Callable]) -> Callable:
 def clear() -> None:
     """Forget every cached function."""
     CACHE.clear()
+
+
+def persistent_cache_dir(directory=None) -> Optional[Path]:
+    """Where ``enable_persistent_cache(directory)`` keeps executables: ``directory``, else
+    ``$LINICL_COMPILATION_CACHE``, else ``~/.cache/linicl/jax`` (``$XDG_CACHE_HOME/linicl/jax``). None
+    when the setting is ``off`` (also ``0``, ``none``, ``false``, ``no``, or empty)."""
+    value = os.fspath(directory) if directory is not None else os.environ.get(CACHE_ENV)
+    if value is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "linicl" / "jax"
+    if value.strip().lower() in _OFF or not value.strip():
+        return None
+    return Path(value).expanduser()
+
+
+def enable_persistent_cache(directory=None, *, min_compile_s: float = 0.5) -> Optional[Path]:
+    """Turn on JAX's persistent compilation cache (process-wide) in ``persistent_cache_dir(directory)``;
+    returns the folder, or None when the setting says off (the cache is then left as it was).
+
+    min_compile_s: only executables that took at least this long to compile are written (the small
+        ones load no faster than they compile). A folder that cannot be created leaves the cache off
+        with a warning: a read-only home must not stop an experiment."""
+    import warnings
+
+    import jax  # here: a process that never enables the cache does not need jax configured early
+
+    path = persistent_cache_dir(directory)
+    if path is None:
+        return None
+    if isinstance(min_compile_s, bool) or not isinstance(min_compile_s, (int, float)) or not min_compile_s >= 0:
+        raise ValueError(f"min_compile_s must be a number >= 0, got {min_compile_s!r}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"persistent compilation cache off: cannot create {path} ({e}); set {CACHE_ENV} "
+                      f"to a writable folder or to 'off'", stacklevel=2)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

@@ -17,6 +17,11 @@ jax.config.update("jax_enable_x64", True)
 # Every hypothesis example compiles new shapes; XLA's optimisation passes dominate that time on a CPU
 # and change nothing we test (the identities hold for any evaluation order).
 jax.config.update("jax_disable_most_optimizations", True)
+# Compiled executables are kept on disk between sessions (linicl.compiled.enable_persistent_cache;
+# LINICL_COMPILATION_CACHE=off turns it off, or names another folder).
+from linicl import compiled as _compiled  # noqa: E402
+
+_compiled.enable_persistent_cache()
 # (Strict dtype promotion is not enabled: flax.linen.LayerNorm itself promotes float64 with float32.
 # That a float32 model stays float32 is tested directly instead.)
 

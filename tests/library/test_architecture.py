@@ -139,13 +139,24 @@ def _walk_outside_lambdas(node):
             yield from _walk_outside_lambdas(child)
 
 
+def _calls(tree, names) -> list:
+    return [c for c in ast.walk(tree) if isinstance(c, ast.Call) and ast.unparse(c.func) in names]
+
+
 def test_library_code_does_not_flip_global_jax_flags():
     for f in ROOT.rglob("*.py"):
         if f.name == "cli.py":  # the entry point owns its process
             continue
-        calls = [c for c in ast.walk(ast.parse(f.read_text())) if isinstance(c, ast.Call)
-                 and ast.unparse(c.func) in ("jax.config.update", "config.update")]
+        tree = ast.parse(f.read_text())
+        calls = _calls(tree, ("jax.config.update", "config.update"))
+        if f.name == "compiled.py":  # only inside the explicit opt-in that entry points call
+            opt_in = next(d for d in ast.walk(tree) if isinstance(d, ast.FunctionDef)
+                          and d.name == "enable_persistent_cache")
+            calls = [c for c in calls if c not in list(ast.walk(opt_in))]
         assert not calls, f"{f.name}:{calls[0].lineno} changes a global JAX flag"
+        if f.name not in ("cli.py", "compiled.py"):
+            used = _calls(tree, ("enable_persistent_cache", "compiled.enable_persistent_cache"))
+            assert not used, f"{f.name}:{used[0].lineno}: library code turns on the persistent cache"
 
 
 def test_import_linicl_is_lazy_and_exposes_every_submodule():
