@@ -18,15 +18,17 @@ refused: for them the prompt is not a finite state, and only an approximate conv
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental import checkify
 
 from linicl import compiled
-from linicl._validate import check_fits, check_tokens
+from linicl._validate import check_fits, check_tokens, is_concrete
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError, NotExactError
 from linicl.interventions import capture
@@ -83,7 +85,8 @@ def convert(model, variables: Variables, prompt) -> dict:
       the prompt's end; 0 otherwise).
     Raises:
       NotExactError: softmax model. LiniclError: bad prompt or variables.
-      SequenceTooLongError: learned positions and offset + n > max_len.
+      SequenceTooLongError: learned positions and offset + n > max_len (checked when the offset is
+        known; under ``jax.jit``, where variables may be traced, the positions past max_len give NaN).
     """
     cfg = require_exact(model)
     _check_variables(variables)
@@ -212,9 +215,21 @@ def _prompt_kv_fn(model):
     return compiled.get(("iclca.prompt_kv", model), lambda: jax.jit(run))
 
 
-def _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs) -> None:
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs, n_features, ridge) -> None:
     if kernel not in APPROX_KERNELS:
         raise LiniclError(f"kernel must be one of {APPROX_KERNELS}, got {kernel!r}")
+    # n_features = 0 would store an empty (B, b): the prompt silently dropped.
+    if not _is_int(n_features) or n_features < 1:
+        raise LiniclError(f"n_features must be a positive int (the number of random features of the "
+                          f"'prf' kernel), got {n_features!r}")
+    # A negative ridge can make the regularised normal equations indefinite (a wrong fit, not an error).
+    if not (_is_int(ridge) or isinstance(ridge, (float, np.floating))) or not (math.isfinite(ridge) and ridge >= 0):
+        raise LiniclError(f"ridge must be a finite number >= 0 (the fit's regularisation, relative to "
+                          f"the mean diagonal), got {ridge!r}")
     if form not in APPROX_FORMS:
         raise LiniclError(f"form must be one of {APPROX_FORMS}, got {form!r}")
     # The learned maps were trained next to g_h e^{s - c_t}; the fixed kernels approximate e^s.
@@ -318,12 +333,15 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
       fit_inputs: optional ``int32[m, t]`` sample inputs. Then (B, b) are not sums over the prompt but
         the least-squares fit, per layer and head, of the prompt's exact numerator and partition at
         the queries the prompted model forms on these inputs (rows weighted by 1 / the query's total
-        softmax mass, so the fit targets the attention mixture), with ridge ``ridge`` * mean diagonal.
-        Needs a batch-1 prompt.
+        softmax mass, so the fit targets the attention mixture), with ridge ``ridge`` (>= 0) * mean
+        diagonal. Needs a batch-1 prompt. A singular fit (possible with ``ridge=0``) raises
+        LiniclError; under ``jit`` it gives non-finite bias terms (NaN logits) and a ``checkify`` error.
+      n_features: a positive int (used by ``"prf"``).
     Returns:
       Variables with the ``"prompt_approx"`` collection holding, per layer, a ``PromptApprox``, and
       ``"position"`` the query's position ``offset = n``. On a linear-attention model: ``convert(model, variables, prompt)``,
       which is exact (the kernel arguments do not apply; ``kernel="learned"`` is refused there).
+      Works under ``jax.jit`` (variables and prompt may be traced; the offset is an array).
     """
     cfg = config_of(model)
     if kernel == "learned" or maps is not None:
@@ -337,7 +355,7 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     prompt = jnp.asarray(check_tokens("prompt", prompt, cfg.vocab_size))
     n = prompt.shape[1]
     form = ("hybrid" if kernel == "learned" else "shared") if form is None else form
-    _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs)
+    _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs, n_features, ridge)
     learned = _learned_maps(cfg, maps) if kernel == "learned" else None
     check_fits("prompt", 0, n + 1, cfg.max_len, "the model's positions (prompt plus one query token)")
     kv = _prompt_kv_fn(model)(dict(variables), prompt)
@@ -357,7 +375,7 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         elif fit is None:
             B, b = prompt_kernels.prompt_state(kernel, k_lin, v_lin, W)
         else:
-            B, b = _solve(*fit[l], ridge, k.dtype)
+            B, b = _solve(*fit[l], ridge, k.dtype, l)
         query_map = ({} if learned is None else
                      dict(phi_W=learned[l]["phi_q_W"], phi_b=learned[l]["phi_q_b"], g=learned[l]["g"]))
         layers[layer_scope(l)] = {"attn": {"approx": PromptApprox(
@@ -409,10 +427,34 @@ def _fit_targets(model, variables, prompt, fit_inputs, kernel, sinks, n_features
     return _fit_fn(model, kernel, sinks, n)(dict(variables), tokens, Ws)
 
 
-def _solve(A, Y, ridge: float, dtype):
-    """Per head: argmin ||A X - Y||^2 + ridge * mean(diag(A^T A)) ||X||^2 -> B [1, H, F, d], b [1, H, F]."""
-    A, Y = np.asarray(A, np.float64), np.asarray(Y, np.float64)
-    G = np.einsum("hrf,hrg->hfg", A, A)
-    reg = ridge * np.einsum("hff->h", G) / G.shape[-1]
-    X = np.linalg.solve(G + reg[:, None, None] * np.eye(G.shape[-1]), np.einsum("hrf,hrd->hfd", A, Y))
+def _normal_equations(xp, A, Y, ridge: float):
+    """``(G + ridge * mean(diag G) I, A^T Y)`` per head, G = A^T A, in NumPy or jax.numpy (``xp``)."""
+    G = xp.einsum("hrf,hrg->hfg", A, A)
+    reg = ridge * xp.einsum("hff->h", G) / G.shape[-1]
+    return G + reg[:, None, None] * xp.eye(G.shape[-1]), xp.einsum("hrf,hrd->hfd", A, Y)
+
+
+def _singular(layer: int, ridge: float) -> str:
+    return (f"fit_inputs: the least-squares fit of layer {layer} is singular (ridge={ridge}; the sample "
+            f"does not determine every feature's weight, e.g. fewer query rows than features, or "
+            f"features that repeat); pass ridge > 0 (default 1e-6) or more fit_inputs")
+
+
+def _solve(A, Y, ridge: float, dtype, layer: int):
+    """Per head: argmin ||A X - Y||^2 + ridge * mean(diag(A^T A)) ||X||^2 -> B [1, H, F, d], b [1, H, F].
+
+    Eagerly in float64 NumPy, raising LiniclError for a singular fit; under ``jit`` (traced A, Y) in
+    the model's dtype, where a singular fit gives non-finite (B, b), hence NaN logits, and a
+    ``checkify`` error."""
+    if is_concrete(A) and is_concrete(Y):
+        M, R = _normal_equations(np, np.asarray(A, np.float64), np.asarray(Y, np.float64), ridge)
+        try:
+            X = np.linalg.solve(M, R)
+        except np.linalg.LinAlgError:
+            raise LiniclError(_singular(layer, ridge)) from None
+        if not np.all(np.isfinite(X)):
+            raise LiniclError(_singular(layer, ridge))
+    else:
+        X = jnp.linalg.solve(*_normal_equations(jnp, A, Y, ridge))
+        checkify.debug_check(jnp.all(jnp.isfinite(X)), _singular(layer, ridge))
     return jnp.asarray(X[None, :, :, :-1], dtype), jnp.asarray(X[None, :, :, -1], dtype)

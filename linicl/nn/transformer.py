@@ -16,7 +16,6 @@ from typing import Any, Mapping, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from linicl._validate import check_fits, check_tokens, take_rows
 from linicl.config import ModelConfig
@@ -38,10 +37,13 @@ def config_of(model) -> ModelConfig:
     return cfg
 
 
-def position_offset(variables: Mapping[str, Any]) -> int:
-    """Position of the first token a call with these variables reads (0 unless a prompt was stored
-    in a model with learned positions, or approximately converted)."""
-    return int(np.asarray(variables.get(POSITION, {}).get("offset", 0)))
+def position_offset(variables: Mapping[str, Any]) -> jax.Array:
+    """Position of the first token a call with these variables reads, ``int32[]`` (0 unless a prompt
+    was stored in a model that keeps absolute positions, or approximately converted).
+
+    An array, never a Python int: under ``jit`` the variables are traced and the offset is known only
+    at run time (the eager checks that need its value, ``check_fits``, skip a traced one)."""
+    return jnp.asarray(variables.get(POSITION, {}).get("offset", 0), jnp.int32)
 
 
 class Transformer(nn.Module):
