@@ -46,6 +46,7 @@ from flax import traverse_util
 from tqdm.auto import tqdm
 
 from linicl import checkpoint, diagnostics, reporting
+from linicl.reporting import nonnegative_float, nonnegative_int, positive_float, positive_int
 from linicl.config import ModelConfig
 from linicl.data.synthetic import induction_batch, recall_batch
 from linicl.errors import LiniclError
@@ -427,17 +428,18 @@ def main(argv=None) -> int:
     reporting.add_common_args(parser, out="results/bias_training", quick="a tiny model for a few steps (CI, seconds)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (>= 1)")
     parser.add_argument("--task", choices=("induction", "recall"), default="induction")
-    parser.add_argument("--n-pairs", type=int, default=None,
+    parser.add_argument("--n-pairs", type=positive_int, default=None,
                         help="recall: key-value pairs per sequence (default 16, 4 with --quick)")
     parser.add_argument("--distinct", action="store_true",
                         help="induction: the T/2 tokens of a sequence are all different")
     parser.add_argument("--loss-on", choices=("all", "context"), default=None,
                         help="train on every next token, or the in-context ones only "
                              "(default: all for induction, context for recall)")
-    for name, kind in (("vocab", int), ("seq_len", int), ("n_layers", int), ("n_heads", int),
-                       ("d_model", int), ("d_ff", int), ("steps", int), ("batch_size", int),
-                       ("eval_every", int), ("eval_batch", int), ("lr", float), ("weight_decay", float),
-                       ("warmup", int)):
+    for name, kind in (("vocab", positive_int), ("seq_len", positive_int), ("n_layers", positive_int),
+                       ("n_heads", positive_int), ("d_model", positive_int), ("d_ff", positive_int),
+                       ("steps", positive_int), ("batch_size", positive_int), ("eval_every", positive_int),
+                       ("eval_batch", positive_int), ("lr", positive_float), ("weight_decay", nonnegative_float),
+                       ("warmup", nonnegative_int)):
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                             help=f"default {FULL[name]} ({QUICK[name]} with --quick)")
     parser.add_argument("--positions", choices=("none", "learned", "rope"), default=None,

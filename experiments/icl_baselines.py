@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 import linicl.lm
 from linicl import data, reporting, stats
+from linicl.reporting import nonnegative_int, positive_int
 from linicl.errors import LiniclError
 from linicl.evaluate import evaluate_prompts, first_content_index
 from linicl.names import OPEN_METRICS
@@ -244,26 +245,31 @@ def figure(plt, report: dict):
     return fig
 
 
+def _bucket(text: str):
+    """--bucket: 'geometric' or a multiple >= 1 (argparse type)."""
+    return text if text == "geometric" else positive_int(text)
+
+
 def main(argv=None) -> int:
     parser = reporting.argument_parser(__doc__)
     reporting.add_common_args(parser, out="results/icl_baselines", data_dir=True,
                               quick=f"CI: tasks {' '.join(QUICK_TASKS)}, 8 queries, k 0 1")
     parser.add_argument("--model", default=None, help="checkpoint (HF directory or .gguf); default SmolLM2")
     parser.add_argument("--tasks", nargs="+", default=None, help="task names (default: every shared task)")
-    parser.add_argument("--k", nargs="+", type=int, default=None, help="demonstrations per prompt (default 0 1 4 8)")
+    parser.add_argument("--k", nargs="+", type=nonnegative_int, default=None,
+                        help="demonstrations per prompt (default 0 1 4 8)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds of queries and demos")
-    parser.add_argument("--n-eval", type=int, default=None, help="test queries per task (default 16; all if fewer)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--bucket", default="geometric",
+    parser.add_argument("--n-eval", type=positive_int, default=None,
+                        help="test queries per task (default 16; all if fewer)")
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--bucket", type=_bucket, default="geometric",
                         help="sequence-length buckets: 'geometric' (16, 24, 32, 48, ...) or a multiple, e.g. 64")
-    parser.add_argument("--max-len", type=int, default=2048, help="longest prompt (rope models)")
+    parser.add_argument("--max-len", type=positive_int, default=2048, help="longest prompt (rope models)")
     parser.add_argument("--bos", choices=list(BOS_FLAG), default="auto",
                         help="prepend BOS: as the checkpoint's tokenizer says (auto), always, never")
     parser.add_argument("--open-metric", choices=OPEN_METRICS, default="exact_match",
                         help="scoring of open-ended tasks (default exact_match of the greedy answer)")
     args = parser.parse_args(argv)
-    if args.bucket != "geometric":
-        args.bucket = int(args.bucket)
     if args.k is None:
         args.k = [0, 1] if args.quick else [0, 1, 4, 8]
     if args.n_eval is None:

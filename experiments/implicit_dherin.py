@@ -30,6 +30,7 @@ import sys
 import time
 
 from linicl import reporting
+from linicl.reporting import positive_float, positive_int, positive_int_list
 from linicl.timing import FAST_COMPILE, QUICK_COMPILE, peak_rss_mb
 
 
@@ -38,24 +39,28 @@ def parse(argv=None):
     reporting.add_common_args(p, out="results/implicit", quick="a tiny run (CI)", seed="initialisation and tasks",
                               plots=True)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--n-context", type=int, default=100, help="context pairs before the query")
-    p.add_argument("--d-x", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=32, help="tokens [x; y] zero-padded to this width")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--d-ff", type=int, default=128)
-    p.add_argument("--test-tasks", type=int, default=256)
-    p.add_argument("--ft-lengths", default="5,10,25,50,100", help="context lengths n for the finetuning comparison")
-    p.add_argument("--ft-tasks", type=int, default=64)
-    p.add_argument("--ft-steps", type=int, default=100, help="GD steps on W")
-    p.add_argument("--ft-lr", type=float, default=0.05)
+    p.add_argument("--steps", type=positive_int, default=2000)
+    p.add_argument("--batch", type=positive_int, default=64)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--n-context", type=positive_int, default=100, help="context pairs before the query")
+    p.add_argument("--d-x", type=positive_int, default=2)
+    p.add_argument("--d-model", type=positive_int, default=32, help="tokens [x; y] zero-padded to this width")
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--d-ff", type=positive_int, default=128)
+    p.add_argument("--test-tasks", type=positive_int, default=256)
+    p.add_argument("--ft-lengths", type=positive_int_list, default="5,10,25,50,100",
+                   help="context lengths n for the finetuning comparison (those past --n-context are skipped)")
+    p.add_argument("--ft-tasks", type=positive_int, default=64)
+    p.add_argument("--ft-steps", type=positive_int, default=100, help="GD steps on W")
+    p.add_argument("--ft-lr", type=positive_float, default=0.05)
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.n_context, args.d_ff = 20, 16, 12, 32
-        args.test_tasks, args.ft_tasks, args.ft_steps, args.ft_lengths = 8, 4, 10, "12"
-    args.ft_lengths = sorted({int(n) for n in args.ft_lengths.split(",") if 0 < int(n) <= args.n_context})
+        args.test_tasks, args.ft_tasks, args.ft_steps, args.ft_lengths = 8, 4, 10, [12]
+    lengths = args.ft_lengths
+    args.ft_lengths = sorted({n for n in lengths if n <= args.n_context})
+    if not args.ft_lengths:
+        p.error(f"argument --ft-lengths: no length {lengths} fits --n-context {args.n_context}")
     return args
 
 

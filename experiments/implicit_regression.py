@@ -33,6 +33,7 @@ import resource  # noqa: E402
 import sys  # noqa: E402
 
 from linicl import reporting  # noqa: E402
+from linicl.reporting import nonnegative_int_list, positive_float, positive_int  # noqa: E402
 from linicl.timing import FAST_COMPILE, QUICK_COMPILE, peak_rss_mb  # noqa: E402
 
 
@@ -42,23 +43,26 @@ def parse(argv=None):
                               seed="initialisation and tasks", plots=True)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--ln", choices=("none", "pre"), default="none", help="block norms (pre: Fig. A.3)")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch", type=int, default=128, help="tasks per step (train and test)")
-    p.add_argument("--n-tokens", type=int, default=51, help="N: context pairs + the query")
-    p.add_argument("--d-x", type=int, default=2)
-    p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--heads", type=int, default=3)
-    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 5e-2; 1e-1 for <= 2 layers)")
-    p.add_argument("--msd-steps", default="1,50,100", help="steps with the per-block MSD")
-    p.add_argument("--align-steps", default="0,50,90", help="steps with the alignment maps")
-    p.add_argument("--align-tasks", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=100)
+    p.add_argument("--batch", type=positive_int, default=128, help="tasks per step (train and test)")
+    p.add_argument("--n-tokens", type=positive_int, default=51, help="N: context pairs + the query")
+    p.add_argument("--d-x", type=positive_int, default=2)
+    p.add_argument("--layers", type=positive_int, default=5)
+    p.add_argument("--heads", type=positive_int, default=3)
+    p.add_argument("--lr", type=positive_float, default=None,
+                   help="Adam learning rate (default 5e-2; 1e-1 for <= 2 layers)")
+    p.add_argument("--msd-steps", type=nonnegative_int_list, default="1,50,100",
+                   help="steps with the per-block MSD (those past --steps are skipped)")
+    p.add_argument("--align-steps", type=nonnegative_int_list, default="0,50,90",
+                   help="steps with the alignment maps (those past --steps are skipped)")
+    p.add_argument("--align-tasks", type=positive_int, default=3)
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.batch, args.n_tokens, args.msd_steps, args.align_steps = 4, 16, 11, "1,4", "0,2"
+        args.steps, args.batch, args.n_tokens, args.msd_steps, args.align_steps = 4, 16, 11, [1, 4], [0, 2]
     if args.lr is None:
         args.lr = 1e-1 if args.layers <= 2 else 5e-2
-    args.msd_steps = sorted({int(s) for s in args.msd_steps.split(",") if int(s) <= args.steps})
-    args.align_steps = sorted({int(s) for s in args.align_steps.split(",") if int(s) <= args.steps})
+    args.msd_steps = sorted({s for s in args.msd_steps if s <= args.steps})
+    args.align_steps = sorted({s for s in args.align_steps if s <= args.steps})
     return args
 
 

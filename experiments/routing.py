@@ -50,6 +50,7 @@ import time
 import numpy as np
 
 from linicl import reporting
+from linicl.reporting import positive_float, positive_int
 
 BOS_FLAG = {"auto": None, "on": True, "off": False}  # --bos -> add_bos (None: the tokenizer's convention)
 CONSTANT_MARK = "(const)"
@@ -65,19 +66,20 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint path (HF dir or .gguf)")
     p.add_argument("--id-tasks", default=",".join(ID_TASKS))
     p.add_argument("--ood-tasks", default=",".join(OOD_TASKS))
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--pid-prompts", type=int, default=48, help="few-shot prompts per ID task for the PIDs")
-    p.add_argument("--pid-shots", type=int, default=1, help="demos per class in a PID prompt")
-    p.add_argument("--train", type=int, default=192, help="zero-shot training queries per ID task")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--n-eval", type=int, default=100, help="test queries per task")
-    p.add_argument("--shots", type=int, default=4, help="demos in the few-shot baseline prompts")
-    p.add_argument("--tv-prompts", type=int, default=32, help="prompts per task for the task vector")
+    p.add_argument("--rank", type=positive_int, default=8)
+    p.add_argument("--pid-prompts", type=positive_int, default=48, help="few-shot prompts per ID task for the PIDs")
+    p.add_argument("--pid-shots", type=positive_int, default=1, help="demos per class in a PID prompt")
+    p.add_argument("--train", type=positive_int, default=192, help="zero-shot training queries per ID task")
+    p.add_argument("--epochs", type=positive_int, default=2)
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--n-eval", type=positive_int, default=100, help="test queries per task")
+    p.add_argument("--shots", type=positive_int, default=4, help="demos in the few-shot baseline prompts")
+    p.add_argument("--tv-prompts", type=positive_int, default=32, help="prompts per task for the task vector")
     p.add_argument("--random-basis", action=argparse.BooleanOptionalAction, default=True,
                    help="also train and evaluate the random-orthonormal-basis control (doubles training)")
-    p.add_argument("--checkpoint-every", type=int, default=50, help="router training steps between checkpoints")
+    p.add_argument("--checkpoint-every", type=positive_int, default=50,
+                   help="router training steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="reuse what a run with the same settings left in --out")
     p.add_argument("--bos", choices=list(BOS_FLAG), default="auto",
                    help="prepend BOS: as the checkpoint's tokenizer says (auto), always, never")

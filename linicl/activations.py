@@ -79,6 +79,7 @@ def collect_activations(model, variables: Mapping, prompts, names: Sequence[str]
     if not (callable(reduce) or reduce in ("last", "mean")):
         raise LiniclError(f"collect_activations: reduce must be 'last', 'mean' or a function, got {reduce!r}")
     rows = batching.as_rows(prompts)
+    batching.check_vocab(rows, cfg.vocab_size, "prompts")
     batching.check_room(rows, cfg, position_offset(variables))
     batching.check_extras(extras, len(rows))
     plan = plan_edits(edits, cfg)

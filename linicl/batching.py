@@ -140,6 +140,16 @@ def check_extras(extras, n: int) -> None:
                               f"shape {np.shape(leaf)}")
 
 
+def check_vocab(rows: list, vocab_size: int, what: str = "prompts") -> None:
+    """Every token id of every row in [0, vocab_size), checked before tracing: under jit the model
+    would embed an out-of-range id as a NaN row, and the NaN would surface far from its cause."""
+    for i, r in enumerate(rows):
+        lo, hi = int(r.min()), int(r.max())
+        if lo < 0 or hi >= vocab_size:
+            raise LiniclError(f"{what}[{i}] holds token ids in [{lo}, {hi}], outside the model's vocabulary "
+                              f"[0, {vocab_size}) (a tokenizer for another model?)")
+
+
 def check_room(rows: list, cfg: ModelConfig, offset: int = 0) -> None:
     """Refuse rows past a learned-positions model's last position before tracing: under jit the model
     would return NaN for them, which an argmax turns into a silently wrong prediction."""
@@ -224,5 +234,5 @@ def last_token_logits(model) -> Callable:
 
 
 __all__ = ["as_rows", "round_up", "bucket_length", "pad_rows", "pad_tokens", "Batch", "batches",
-           "check_batch_size", "check_extras", "check_room", "run_sharded", "map_rows", "gather",
+           "check_batch_size", "check_extras", "check_vocab", "check_room", "run_sharded", "map_rows", "gather",
            "last_positions", "unembed", "last_token_logits"]

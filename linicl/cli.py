@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
+
+
+from linicl.reporting import positive_int, writable_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,10 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "option and print the errors, conversion time and speed-up; "
                                    "writes OUT/verify.json. Exits 1 if any identity fails.")
     v.add_argument("--out", default="results", help="results folder (default: results)")
-    v.add_argument("--prompt-len", type=int, default=500,
+    v.add_argument("--prompt-len", type=positive_int, default=500,
                    help="prompt tokens (default: 500, deliberately not a multiple of the chunk size)")
-    v.add_argument("--query-len", type=int, default=16, help="query tokens (default: 16)")
-    v.add_argument("--batch", type=int, default=4, help="query batch size (default: 4)")
+    v.add_argument("--query-len", type=positive_int, default=16, help="query tokens (default: 16)")
+    v.add_argument("--batch", type=positive_int, default=4, help="query batch size (default: 4)")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--quick", action="store_true", help="short prompts, for CI")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -63,8 +67,13 @@ def _data(args) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "verify":
+        try:  # before the run: a results folder that cannot be written would waste it
+            writable_dir(args.out)
+        except OSError as e:
+            parser.error(f"argument --out: cannot write results to {args.out!r}: {e.strerror or e}")
         import jax
         # The entry point owns the process: float64 models need x64 (float32 ones stay float32).
         jax.config.update("jax_enable_x64", True)

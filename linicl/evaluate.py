@@ -105,6 +105,7 @@ def run_logprobs(model, variables, prompts, *, forward: Optional[Callable] = Non
     ``n_tokens`` (real) and ``n_padded_tokens`` (computed) added to it."""
     cfg = config_of(model)
     rows = batching.as_rows(prompts)
+    batching.check_vocab(rows, cfg.vocab_size)
     batching.check_room(rows, cfg, position_offset(variables))
     batching.check_extras(extras, len(rows))
     plan = plan_edits(edits, cfg)

@@ -15,7 +15,7 @@ Editing (an ``Edit`` per site; several at one site apply in order)::
     edits = [add("blocks.2.hook_resid_post", steer, positions=at_last(lengths, T)),
              logit_bias(5, bias, heads=[0, 3])]
     logits = run_with_edits(model, variables, tokens, edits)
-    edited = with_edits(variables, edits)        # or: model.apply(edited, tokens), e.g. inside a loss
+    edited = with_edits(variables, edits, cfg)   # or: model.apply(edited, tokens), e.g. inside a loss
 
 Shapes: residual sites ``[batch, seq, d_model]``; ``hook_q/k/v/z`` ``[batch, seq, heads, d_head]``
 (``hook_k``/``hook_v`` have ``kv_heads``); ``hook_attn_scores`` (scaled logits, before the causal mask)
@@ -25,6 +25,7 @@ and ``hook_pattern`` ``[batch, heads, q_seq, k_seq]``; ``mlp.hook_pre``/``hook_p
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linicl import compiled
+from linicl._validate import is_concrete
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
 from linicl.names import (INTERMEDIATES, INTERVENTIONS, SCORE_SITES, layer_scope, short_site, site_layer, site_name,
@@ -84,15 +86,30 @@ def full_name(name, layer: Optional[int] = None) -> str:
 
 
 def check_names(cfg: ModelConfig, names: Iterable[str], what: str = "names") -> None:
-    """Raise, naming the closest valid names, when a site does not exist in this model (an edit at a
-    missing site would otherwise do nothing, silently)."""
-    valid = set(site_names(cfg))
-    bad = [n for n in names if n not in valid]
-    if bad:
-        hint = ("; linear attention has no hook_attn_scores/hook_pattern"
-                if any(n.endswith(SCORE_SITES) for n in bad) and cfg.attention == "linear" else "")
-        raise LiniclError(f"{what}: no site {bad} in this model ({cfg.n_layers} layers{hint}); "
-                          f"valid names: linicl.interventions.site_names(cfg)")
+    """Raise, naming each missing site with the closest valid names, when a site does not exist in this
+    model (an edit at a missing site would otherwise do nothing, silently)."""
+    valid = site_names(cfg)
+    known = set(valid)
+    bad = [n for n in names if n not in known]
+    if not bad:
+        return
+    hint = ("; linear attention has no hook_attn_scores/hook_pattern"
+            if any(n.endswith(SCORE_SITES) for n in bad) and cfg.attention == "linear" else "")
+    close = {n: difflib.get_close_matches(n, valid, n=3, cutoff=0.6) for n in bad
+             if not (hint and n.endswith(SCORE_SITES))}  # no near miss stands in for a missing kind
+    suggest = "".join(f"; for {n!r} did you mean {' or '.join(map(repr, c))}?" for n, c in close.items() if c)
+    raise LiniclError(f"{what}: no site {bad} in this model ({cfg.n_layers} layers{hint}){suggest}; "
+                      f"valid names: {_name_summary(valid, cfg.n_layers)} "
+                      f"(all of them: linicl.interventions.site_names(cfg))")
+
+
+def _name_summary(valid: Sequence[str], n_layers: int) -> str:
+    """The valid names in short, in forward order: block 0's sites stand for every block, with the
+    layer written as a range (``blocks.{0..11}.attn.hook_q``)."""
+    span = "{0.." + str(n_layers - 1) + "}"
+    short = [n.replace("blocks.0.", f"blocks.{span}.", 1) if site_layer(n) == 0 else n
+             for n in valid if site_layer(n) in (None, 0)]
+    return ", ".join(short)
 
 
 class ActivationCache(dict):
@@ -176,9 +193,35 @@ def at_positions(seq_len: int, index) -> jax.Array:
 
 
 def at_last(lengths, seq_len: int) -> jax.Array:
-    """``bool[batch, seq_len]`` selecting each row's last real token (right-padded batches)."""
+    """``bool[batch, seq_len]`` selecting each row's last real token (right-padded batches).
+
+    ``lengths: int[batch]``, each in [1, seq_len]: a length of 0 or past ``seq_len`` would select no
+    position, and the edit would silently skip that row. Concrete lengths are checked now
+    (``LiniclError``); traced ones (under ``jit``/``vmap``) by a ``jax.debug.callback`` when the
+    computation runs, which then fails with a ``JaxRuntimeError`` quoting the same message."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise LiniclError(f"at_last: seq_len must be an int >= 1 (the padded length), got {seq_len!r}")
+    seq_len = int(seq_len)
+    concrete = is_concrete(lengths)
+    if concrete:
+        lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise LiniclError(f"at_last: lengths must be int[batch] (each row's number of real tokens), got "
+                          f"{lengths.dtype}{tuple(lengths.shape)}")
+    if concrete:
+        _check_lengths(lengths, seq_len)
+    else:  # the values exist only when the computation runs: check them there, loudly
+        jax.debug.callback(_check_lengths, lengths, seq_len)
     lengths = jnp.asarray(lengths)
     return jnp.arange(seq_len)[None, :] == (lengths[:, None] - 1)
+
+
+def _check_lengths(lengths: np.ndarray, seq_len: int) -> None:
+    bad = np.flatnonzero((np.asarray(lengths) < 1) | (np.asarray(lengths) > seq_len))
+    if bad.size:
+        raise LiniclError(f"at_last: lengths must be in [1, seq_len={seq_len}] (each row's number of real "
+                          f"tokens), got {np.asarray(lengths)[bad[:8]].tolist()} at rows {bad[:8].tolist()}: "
+                          f"those rows have no last token to edit")
 
 
 def edit(name, op: str, value: Any = None, *, positions=None, heads=None, n_heads: Optional[int] = None,
@@ -220,9 +263,21 @@ def logit_bias(layer: int, bias, **where) -> Tuple[str, Edit]:
 
 def with_edits(variables: Mapping, edits: Sequence[Tuple[str, Edit]], cfg: Optional[ModelConfig] = None):
     """``variables`` plus an ``interventions`` collection holding ``edits`` (replacing any there).
-    Give ``cfg`` (or use ``run_with_edits``) to check every name exists in the model."""
-    if cfg is not None:
-        check_names(cfg, [n for n, _ in edits], "edits")
+
+    ``cfg`` (the model's ``ModelConfig``, e.g. ``model.cfg``) is required: every name is checked
+    against ``site_names(cfg)`` now, because an edit at a site the model lacks (a misspelt name, a
+    layer past ``n_layers``, ``hook_pattern`` on linear attention) would be ignored by the forward
+    pass, silently. ``run_with_edits`` passes it for you."""
+    if cfg is None:
+        raise LiniclError("with_edits needs cfg, the model's ModelConfig (e.g. with_edits(variables, edits, "
+                          "model.cfg)): without it a misspelt or missing site would change nothing, silently")
+    if not isinstance(cfg, ModelConfig):
+        raise LiniclError(f"with_edits: cfg must be a ModelConfig (e.g. model.cfg), got {type(cfg).__name__}")
+    edits = list(edits)
+    for pair in edits:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise LiniclError(f"edits must be (name, Edit) pairs from linicl.interventions, got {pair!r:.80}")
+    check_names(cfg, [n for n, _ in edits], "edits")
     tree: dict = {}
     for name, e in edits:
         if not isinstance(e, Edit):
@@ -247,7 +302,8 @@ def _merged(a: Any, b: Any) -> Any:
 
 def add_edits(variables: Mapping, edits: Sequence[Tuple[str, Edit]], cfg: Optional[ModelConfig] = None):
     """``variables`` with ``edits`` applied after any edits they already hold (``with_edits`` would
-    replace those), so that a method's edits compose with a pre-edited model."""
+    replace those), so that a method's edits compose with a pre-edited model. ``cfg`` is required, as
+    in ``with_edits``."""
     edited = with_edits(variables, edits, cfg)
     if INTERVENTIONS not in variables:
         return edited

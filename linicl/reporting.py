@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -64,6 +65,59 @@ def add_common_args(parser: argparse.ArgumentParser, *, out: str, quick: str, se
     if plots:
         parser.add_argument("--no-plots", dest="plots", action="store_false", help="write no plots")
     return parser
+
+
+# ------------------------------------------------------------------------------ argument types
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1 (counts, sizes, lengths); argparse turns the ValueError into
+    ``error: argument --x: invalid positive_int value``, with the usage line."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse ``type``: an int >= 0 (a count that may be zero, e.g. demonstrations per prompt)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def positive_int_list(text: str) -> list:
+    """An argparse ``type``: comma-separated ints >= 1 (``"5,10,25"``)."""
+    return [positive_int(part) for part in text.split(",")]
+
+
+def nonnegative_int_list(text: str) -> list:
+    """An argparse ``type``: comma-separated ints >= 0 (``"0,50,90"``, e.g. training steps)."""
+    return [nonnegative_int(part) for part in text.split(",")]
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite float > 0 (learning rates, scales)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse ``type``: a finite float >= 0 (weight decay, regularisers)."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def writable_dir(path: str) -> str:
+    """Create ``path`` if needed and check a file can be written there, so that a run fails at its
+    start, not after hours of work, when it cannot save its results. Raises OSError."""
+    os.makedirs(path, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".linicl-write-test-"):
+        pass
+    return path
 
 
 # ------------------------------------------------------------------------------ the machine

@@ -127,9 +127,10 @@ def _check_softmax(cfg: ModelConfig, n: int, batch: int, seed: int) -> dict:
     except NotExactError:
         refused = True
     step = jax.jit(lambda v, t: model.apply(v, t, mutable=[DECODE]))
-    logits, state = step(variables, x[:, : n // 2])
+    first = max(1, n // 2)  # a one-token prompt is read whole (a call needs at least one token)
+    logits, state = step(variables, x[:, :first])
     outs = [logits]
-    for t in range(n // 2, n):
+    for t in range(first, n):
         logits, state = step({**variables, **state}, x[:, t:t + 1])
         outs.append(logits)
     err = rel_err(jnp.concatenate(outs, axis=1), jax.jit(model.apply)(variables, x))
@@ -145,6 +146,9 @@ def run(prompt_len: int = 500, query_len: int = 16, batch: int = 4, seed: int = 
                           "(jax.config.update('jax_enable_x64', True); the `linicl verify` command does)")
     from tqdm.auto import tqdm
 
+    for name, value in (("prompt_len", prompt_len), ("query_len", query_len), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LiniclError(f"verify.run: {name} must be an int >= 1, got {value!r}")
     models = zoo()
     if quick:
         prompt_len, query_len = min(prompt_len, 50), min(query_len, 8)
@@ -184,9 +188,13 @@ def format_table(report: dict) -> str:
 
 
 def main(out: str = "results", **kwargs) -> int:
+    from linicl.reporting import writable_dir
+    try:  # before the run, which takes minutes: a folder that cannot be written would waste it
+        writable_dir(out)
+    except OSError as e:
+        raise LiniclError(f"verify: cannot write results to out={out!r}: {e.strerror or e}") from None
     report = run(**kwargs)
     print(format_table(report))
-    os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "verify.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)

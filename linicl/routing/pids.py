@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from linicl.config import ModelConfig
-from linicl.errors import DataError, LiniclError
+from linicl.errors import DataError, DegenerateInputError, LiniclError
 from linicl.names import block_site
 from linicl.nn.transformer import config_of
 from linicl.activations import collect_activations
@@ -28,14 +28,28 @@ def routed_layers(cfg: ModelConfig) -> tuple:
     return tuple(range((2 * cfg.n_layers) // 3, cfg.n_layers))
 
 
-def pca(X: np.ndarray, r: int, center: bool = True):
+def pca(X: np.ndarray, r: int, center: bool = True, name: str = "X"):
     """Top-r principal directions of the rows of ``X: [N, d]``: ``(U [d, r] orthonormal, mean [d],
-    explained variance ratio [r])``. Uncentred, the directions are those of the second moment."""
+    explained variance ratio [r])``. Uncentred, the directions are those of the second moment.
+
+    ``X`` (called ``name`` in errors) must be finite and must vary: rows that are all the same
+    (centred) or all zero (uncentred) have no principal direction, and the ratio would be 0/0."""
     X = np.asarray(X, np.float64)
     if X.ndim != 2 or X.shape[0] < 2 or not 1 <= r <= min(X.shape):
-        raise LiniclError(f"pca needs X of shape [N >= 2, d] and 1 <= r <= min(N, d); got {X.shape}, r={r}")
+        raise LiniclError(f"pca needs {name} of shape [N >= 2, d] and 1 <= r <= min(N, d); got {X.shape}, r={r}")
+    if not np.all(np.isfinite(X)):
+        rows = np.flatnonzero(~np.all(np.isfinite(X), axis=1))
+        raise LiniclError(f"pca: {name} has non-finite values (NaN/inf) in rows {rows[:8].tolist()}"
+                          f"{'...' if rows.size > 8 else ''}")
     mean = X.mean(axis=0) if center else np.zeros(X.shape[1])
-    _, s, vt = np.linalg.svd(X - mean, full_matrices=False)
+    Xc = X - mean
+    # Degenerate: what is left after centring is rounding of the mean (relative eps per summed row),
+    # not variance; its "directions" would be noise and a constant X gives a 0/0 ratio.
+    if np.linalg.norm(Xc) <= X.shape[0] * np.finfo(np.float64).eps * np.linalg.norm(X):
+        how = "every row is the same" if center else "every entry is zero"
+        raise DegenerateInputError(f"pca: {name} has no variance ({how}, {X.shape[0]} rows): there is no "
+                                   f"principal direction")
+    _, s, vt = np.linalg.svd(Xc, full_matrices=False)
     return vt[:r].T, mean, (s[:r] ** 2) / np.sum(s ** 2)
 
 
@@ -92,7 +106,7 @@ def extract_pids(model, variables, prompts, *, layers: Optional[Sequence[int]] =
     for l in layers:
         for s in ("q", "k"):
             X = acts[block_site(l, f"hook_{s}")]
-            U, mean, ev = pca(X.reshape(X.shape[0], -1), r, center)
+            U, mean, ev = pca(X.reshape(X.shape[0], -1), r, center, name=block_site(l, f"hook_{s}"))
             parts[f"U_{s}"].append(U)
             parts[f"mean_{s}"].append(mean)
             parts[f"explained_{s}"].append(ev)

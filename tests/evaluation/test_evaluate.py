@@ -289,7 +289,7 @@ def test_edits_pass_through(toy_model):
     assert static.accuracy == pytest.approx((5, 3, 4)[j] / 12)
 
     # edits given to evaluate compose with edits the variables already hold
-    pre_edited = with_edits(edited_model, [replace("ln_final.hook_normalized", const)])
+    pre_edited = with_edits(edited_model, [replace("ln_final.hook_normalized", const)], model.cfg)
     composed = evaluate(model, pre_edited, TOK, task, k=2, edits=[add("blocks.0.hook_resid_post", 0.0)],
                         progress=False)
     assert composed.predictions == static.predictions

@@ -359,7 +359,7 @@ def test_convert_puts_the_context_into_the_weights(cfg, n, seed, data):
         assert s[1] <= 2 * np.finfo(stored.dtype).eps * (np.linalg.norm(stored) + np.linalg.norm(change))
     # The vector form (two additive edits per block, no weight change) is the same patch.
     edits = implicit.convert_edits(model, variables, context, query, position=position)
-    assert rel_err(apply(model, with_edits(variables, edits), query[None])[0, -1], full[i]) <= EXACT_RTOL
+    assert rel_err(apply(model, with_edits(variables, edits, model.cfg), query[None])[0, -1], full[i]) <= EXACT_RTOL
 
 
 def test_convert_with_embeddings_vmaps_over_tasks_and_keeps_a_learned_offset():
