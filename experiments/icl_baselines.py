@@ -280,8 +280,9 @@ def main(argv=None) -> int:
     except LiniclError as e:
         print(f"icl_baselines: {e}", file=sys.stderr)
         return 2
+    report["table"] = markdown(report)  # the headline RESULTS.md shows
     reporting.write_json(os.path.join(args.out, "icl_baselines.json"), report)
-    print(markdown(report))
+    print(report["table"])
     png = reporting.plot(os.path.join(args.out, "icl_baselines.png"), figure, report)
     t = report["timing"]
     print(f"\n{len(report['results'])} evaluations, {len(report['skipped'])} skipped; total {t['total_s']:.0f} s "
