@@ -53,3 +53,52 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """``table[ids]`` along axis 0, with NaN rows for ids outside [0, len(table)) (negatives too)."""
     ids = jnp.where(ids < 0, table.shape[0], ids)
     return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def _integer_dtype(value) -> bool:
+    """Whether ``value`` holds integers: a Python or NumPy int, or an integer array (never a bool)."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, (int, np.integer)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+
+
+def check_index(name: str, value, lo: int, hi: int, what: str):
+    """``value`` must be one integer in [lo, hi) that indexes ``what`` (a noun phrase for the message):
+    a Python or NumPy int or an integer 0-d array.
+
+    A float (even 2.0) or a bool is refused: jnp indexing and ``astype(int32)`` would truncate or
+    clamp it into a valid-looking index. A traced value is checked for dtype and shape only (its
+    range is the caller's business under ``jit``: NaN, never a finite wrong answer). Returns it."""
+    if not _integer_dtype(value) or getattr(value, "ndim", 0) != 0:
+        raise LiniclError(f"{name} must be one int indexing {what}, got {value!r}")
+    if is_concrete(value):
+        i = int(value)
+        if not lo <= i < hi:
+            raise LiniclError(f"{name} must index {what}: an int in [{lo}, {hi}), got {i}")
+    return value
+
+
+def check_indices(name: str, value, length, lo: int, hi: int, what: str):
+    """``value`` must be ``int[length]`` (``length=None``: any length) with entries in [lo, hi) that
+    index ``what``; floats and bools are refused (a bool mask is not a list of indices). Entries are
+    checked only when concrete. Returns it as an array."""
+    try:
+        arr = value if isinstance(value, (np.ndarray, jax.Array)) else np.asarray(value)
+    except (TypeError, ValueError):  # ragged nesting, objects
+        raise LiniclError(f"{name} must be a 1-d list of ints indexing {what}, got {value!r}") from None
+    if arr.ndim != 1 or (length is not None and arr.shape[0] != length):
+        want = f"int[{length}]" if length is not None else "a 1-d list of ints"
+        raise LiniclError(f"{name} must be {want} indexing {what}, got shape {tuple(arr.shape)}")
+    if arr.size and not _integer_dtype(arr):
+        raise LiniclError(f"{name} must hold ints indexing {what}, got dtype {arr.dtype}")
+    if arr.size and is_concrete(arr):
+        a = np.asarray(arr)
+        if a.min() < lo or a.max() >= hi:
+            bad = sorted(set(a[(a < lo) | (a >= hi)].tolist()))
+            raise LiniclError(f"{name} must index {what}: entries in [{lo}, {hi}), got {bad[:8]}"
+                              f"{'...' if len(bad) > 8 else ''} in {a.tolist()[:16]}"
+                              f"{'...' if a.size > 16 else ''}")
+    return arr

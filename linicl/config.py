@@ -2,15 +2,22 @@
 
 The config is hashable (it is a static argument of jitted functions) and validated on construction, so
 that a bad option fails here with a message naming the field rather than deep inside a forward pass.
+Every field has a type and a range: sizes are ints (NumPy integers are accepted and converted; bools
+and floats are not), switches are bools (``numpy.bool_`` accepted; 0, 1 or strings are not), rates and
+epsilons finite numbers, options one of the names in ``linicl.names``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence, Union
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
+from linicl._validate import is_concrete
 from linicl.errors import ConfigError
 from linicl.kernels.feature_maps import feature_dim
 from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, DTYPES, FEATURE_MAPS,  # noqa: F401
@@ -18,19 +25,72 @@ from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, DTYPES
                           ROPE_STYLES, SKIPS)
 
 
-def _choice(field: str, value, choices) -> None:
-    if value not in choices:
+# Field kinds. Every field of ModelConfig is in exactly one of these (n_kv_heads and decay are checked
+# on their own); tests/library/test_config_validation.py checks that none is left out.
+_POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size",
+                  "mlp_depth")
+_NONNEGATIVE_INTS = ("feature_size", "window", "sinks")
+_BOOLS = ("normalize", "causal", "use_bias", "tie_embeddings", "trainable_bias")
+_OPTIONAL_BOOLS = ("final_norm", "attn_bias", "mlp_bias")  # None means "derived from other fields"
+_POSITIVE_FLOATS = ("rope_base", "ln_eps")
+# 0 is allowed: no epsilon (the denominator of a non-negative map is positive without one).
+_NONNEGATIVE_FLOATS = ("attn_eps",)
+_CHOICES = {"attention": ATTENTION_KINDS, "feature_map": ALL_FEATURE_MAPS, "rope_on": ROPE_ON,
+            "positions": POSITIONS, "norm": NORMS, "norm_type": NORM_TYPES, "skip": SKIPS, "mlp": MLPS,
+            "rope_style": ROPE_STYLES, "activation": ACTIVATIONS, "form": FORMS, "dtype": DTYPES}
+
+
+def _scalar(value):
+    """A NumPy (or concrete JAX) scalar or 0-d array as the Python value it holds; else unchanged."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and is_concrete(value):
+        return np.asarray(value).item()
+    return value
+
+
+def _is_number(value) -> bool:
+    """An int or float, but not a bool (True is an int in Python, never a size or a rate here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _choice(field: str, value, choices) -> str:
+    value = _scalar(value)
+    if not isinstance(value, str) or value not in choices:
         raise ConfigError(f"ModelConfig.{field} must be one of {choices}, got {value!r}")
+    return str(value)  # a NumPy string -> str
 
 
-def _positive_int(field: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+def _int(field: str, value, lo: int) -> int:
+    """``value`` as an int >= lo (NumPy integers accepted; bools and floats refused)."""
+    v = _scalar(value)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        expected = "a positive int" if lo == 1 else f"an int >= {lo}"
+        raise ConfigError(f"ModelConfig.{field} must be {expected}, got {value!r}")
+    return int(v)
 
 
-def _nonnegative_int(field: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"ModelConfig.{field} must be an int >= 0, got {value!r}")
+def _bool(field: str, value, optional: bool = False):
+    """``value`` as a bool (NumPy bools accepted; 0, 1, strings refused), or None when optional."""
+    v = _scalar(value)
+    if v is None and optional:
+        return None
+    if not isinstance(v, bool):
+        expected = "True, False or None" if optional else "True or False"
+        raise ConfigError(f"ModelConfig.{field} must be {expected} (a bool), got {value!r}")
+    return v
+
+
+def _float(field: str, value, positive: bool) -> float:
+    """``value`` as a finite float > 0 (or >= 0); ints and NumPy numbers accepted, bools refused."""
+    v = _scalar(value)
+    expected = "a finite float > 0" if positive else "a finite float >= 0"
+    if not _is_number(v):
+        raise ConfigError(f"ModelConfig.{field} must be {expected}, got {value!r}")
+    v = float(v)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ConfigError(f"ModelConfig.{field} must be {expected}, got {value!r}")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +140,9 @@ class ModelConfig:
       attn_bias, mlp_bias: biases of the attention and MLP projections; ``None`` = ``use_bias``.
       causal: causal attention. ``False`` (softmax only) serves the non-causal implicit-update
         theory; nothing that needs a state or a cache accepts it.
-      attn_eps: the epsilon inside a normalised linear attention's denominator. It is part of the
-        model, identical in the prompted and the converted model.
+      attn_eps: the epsilon inside a normalised linear attention's denominator (finite, >= 0). It is
+        part of the model, identical in the prompted and the converted model.
+      rope_base, ln_eps: finite floats > 0.
       form: linear-attention kernel form; ``"auto"`` picks parallel for short and chunked for long
         sequences.
       trainable_bias: add zero-initialised trainable initial states (B, b) per layer and head to the
@@ -127,15 +188,7 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size",
-                  "mlp_depth"):
-            _positive_int(f, getattr(self, f))
-        for f, choices in (("attention", ATTENTION_KINDS), ("feature_map", ALL_FEATURE_MAPS),
-                           ("rope_on", ROPE_ON),
-                           ("positions", POSITIONS), ("norm", NORMS), ("norm_type", NORM_TYPES),
-                           ("skip", SKIPS), ("mlp", MLPS), ("rope_style", ROPE_STYLES),
-                           ("activation", ACTIVATIONS), ("form", FORMS), ("dtype", DTYPES)):
-            _choice(f, getattr(self, f), choices)
+        self._check_fields()
         if self.d_model % self.n_heads:
             raise ConfigError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
                               f"n_heads ({self.n_heads})")
@@ -148,15 +201,46 @@ class ModelConfig:
                 f"{self.feature_map!r} can make phi(q).z zero or negative. Use normalize=False.")
         if self.attention == "softmax" and (self.decay is not None or self.trainable_bias):
             raise ConfigError("ModelConfig.decay and trainable_bias apply to attention='linear' only")
-        if self.positions == "rope" and self.head_dim < 2 and self.attention == "softmax":
-            raise ConfigError("ModelConfig.positions='rope' needs a head dimension of at least 2")
+        self._check_rope()
+
+    def _set(self, field: str, value) -> None:
+        object.__setattr__(self, field, value)  # frozen: normalised values (np.int64 -> int, ...)
+
+    def _check_fields(self) -> None:
+        """Each field's type and range on its own (numbers and bools normalised to Python's)."""
+        for f in _POSITIVE_INTS:
+            self._set(f, _int(f, getattr(self, f), 1))
+        for f in _NONNEGATIVE_INTS:
+            self._set(f, _int(f, getattr(self, f), 0))
+        if self.n_kv_heads is not None:
+            self._set("n_kv_heads", _int("n_kv_heads", self.n_kv_heads, 1))
+        for f in _BOOLS + _OPTIONAL_BOOLS:
+            self._set(f, _bool(f, getattr(self, f), optional=f in _OPTIONAL_BOOLS))
+        for f in _POSITIVE_FLOATS + _NONNEGATIVE_FLOATS:
+            self._set(f, _float(f, getattr(self, f), positive=f in _POSITIVE_FLOATS))
+        for f, choices in _CHOICES.items():
+            self._set(f, _choice(f, getattr(self, f), choices))
+
+    def _check_rope(self) -> None:
+        """Rope rotates pairs of coordinates: a width below 2 would leave the model (or its exact
+        softmax part) without any positional signal."""
+        if self.positions != "rope":
+            return
+        widths = {}
+        if self.attention == "softmax" or self.rope_on == "inputs" or self.hybrid:
+            widths["head dimension (d_model / n_heads)"] = self.head_dim  # q, k are rotated
+        if self.attention == "linear" and self.rope_on == "features":
+            widths[f"feature dimension ({self.feature_map} of d_head={self.head_dim})"] = self.feature_dim
+        for what, width in widths.items():
+            if width < 2:
+                raise ConfigError(f"ModelConfig.positions='rope' needs a {what} of at least 2, got "
+                                  f"{width}: a rotation of pairs of coordinates would do nothing")
 
     def _check_structure(self) -> None:
         if self.n_kv_heads is not None:
-            _positive_int("n_kv_heads", self.n_kv_heads)
             if self.n_heads % self.n_kv_heads:
-                raise ConfigError(f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of "
-                                  f"n_kv_heads ({self.n_kv_heads})")
+                raise ConfigError(f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide "
+                                  f"n_heads ({self.n_heads}): each key/value head serves a group")
         if self.skip != "residual" and self.norm != "none":
             raise ConfigError(f"ModelConfig.skip={self.skip!r} is a block form without norms; "
                               f"it needs norm='none' (got norm={self.norm!r})")
@@ -169,8 +253,6 @@ class ModelConfig:
 
     def _check_finite_state(self) -> None:
         """The options of the linearised models: hedgehog, rope on the inputs, window and sinks."""
-        for f in ("feature_size", "window", "sinks"):
-            _nonnegative_int(f, getattr(self, f))
         if self.feature_size and self.feature_map != "hedgehog":
             raise ConfigError(f"ModelConfig.feature_size sets hedgehog's m; it needs "
                               f"feature_map='hedgehog' (got {self.feature_map!r})")
@@ -191,17 +273,26 @@ class ModelConfig:
                                   f"parts share one normaliser")
 
     def _check_decay(self) -> None:
+        """None, one number or one per head (list, tuple or 1-d array), each in (0, 1]; stored as a
+        float or a tuple of floats (hashable)."""
         if self.decay is None:
             return
-        if isinstance(self.decay, (int, float)) and not isinstance(self.decay, bool):
-            values = (float(self.decay),)
-        else:
-            values = tuple(float(g) for g in self.decay)
+        decay = _scalar(self.decay)
+        if isinstance(decay, (np.ndarray, jax.Array)) and decay.ndim == 1 and is_concrete(decay):
+            decay = np.asarray(decay).tolist()
+        if _is_number(decay):
+            values = (float(decay),)
+            self._set("decay", values[0])
+        elif isinstance(decay, (list, tuple)) and all(_is_number(_scalar(g)) for g in decay):
+            values = tuple(float(_scalar(g)) for g in decay)
             if len(values) != self.n_heads:
-                raise ConfigError(f"ModelConfig.decay has {len(values)} values; expected one float "
-                                  f"or one per head (n_heads={self.n_heads})")
-            object.__setattr__(self, "decay", values)  # lists -> tuple, so the config stays hashable
-        if not all(0.0 < g <= 1.0 for g in values):
+                raise ConfigError(f"ModelConfig.decay has {len(values)} values ({self.decay!r}); "
+                                  f"expected one float or one per head (n_heads={self.n_heads})")
+            self._set("decay", values)  # lists -> tuple, so the config stays hashable
+        else:
+            raise ConfigError(f"ModelConfig.decay must be None, a float or a sequence of n_heads "
+                              f"({self.n_heads}) floats, got {self.decay!r}")
+        if not all(0.0 < g <= 1.0 for g in values):  # NaN fails this too
             raise ConfigError(f"ModelConfig.decay values must lie in (0, 1], got {self.decay}")
 
     # ---------------------------------------------------------------- derived quantities

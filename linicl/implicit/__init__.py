@@ -34,6 +34,10 @@ positions), with ``"own"`` ``f[..., T, d]``. Updates are kept factored: ``u[name
 W(g - f) and ``v: f[..., 1 or T, d]`` = f/‖f‖², so ΔW_i = u_i v_iᵀ; ``dense`` builds the
 ``[..., T, h, d]`` matrices only when asked.
 
+Indices and positions (``order``, ``position``, ``positions``, ``Y``, ``i``) must be ints in range:
+an eager call raises a ``LiniclError`` naming the argument rather than letting jnp indexing clamp,
+wrap or truncate them; under ``jit`` an out-of-range index gives NaN.
+
 No epsilon anywhere: when ‖f‖ is too small for the division (``degenerate``) an eager call raises
 ``DegenerateInputError``; under ``jit``/``vmap`` the affected updates are NaN (never a finite wrong
 answer) and ``jax.experimental.checkify.checkify`` reports the message.

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from linicl import names
+from linicl._validate import check_index, check_indices
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
 from linicl.nn.block import Block
@@ -33,13 +34,24 @@ def _block_call(cfg: ModelConfig, block_params, Z, positions, interventions=None
     return sites
 
 
+def check_position(cfg: ModelConfig, position):
+    """``position`` (of a token run alone) must be an int in [0, max_len): a float would be truncated
+    by the int32 cast. Traced: dtype and shape only."""
+    return check_index("position", position, 0, cfg.max_len, f"the model's positions (max_len={cfg.max_len})")
+
+
 def block_sites(cfg: ModelConfig, block_params, Z, positions=None, interventions=None) -> dict:
     """Sites of one block run on ``Z: f[..., T, d]`` (leading axes: tasks), each ``f[..., T, d]``
-    (``hook_q``: ``f[..., T, heads, d_head]``). ``positions``: ``int[T]``, default 0..T-1."""
+    (``hook_q``: ``f[..., T, heads, d_head]``). ``positions``: ``int[T]`` in [0, max_len), default
+    0..T-1."""
     Z = jnp.asarray(Z)
+    if Z.ndim < 2:
+        raise LiniclError(f"Z must be f[..., T, d] (a sequence of block inputs), got shape {Z.shape}")
     lead, (T, d) = Z.shape[:-2], Z.shape[-2:]
     if positions is None:
         positions = jnp.arange(T, dtype=jnp.int32)
+    positions = check_indices("positions", positions, T, 0, cfg.max_len,
+                              f"the model's positions (max_len={cfg.max_len}), one per token")
     positions = jnp.asarray(positions, jnp.int32)
     sites = _block_call(cfg, block_params, Z.reshape((-1, T, d)), positions, interventions)
     return {k: v.reshape(lead + v.shape[1:]) for k, v in sites.items()}
@@ -49,6 +61,7 @@ def alone(cfg: ModelConfig, block_params, x, position=0, interventions=None) -> 
     """Sites of the block run on each token of ``x: f[..., d]`` as a one-token sequence at
     ``position``: each ``f[..., d]`` (the reference values f = ``hook_mlp_in``, p = ``hook_resid_mid``)."""
     x = jnp.asarray(x)
+    check_position(cfg, position)
     positions = jnp.reshape(jnp.asarray(position, jnp.int32), (1,))
     sites = _block_call(cfg, block_params, x.reshape((-1, 1, x.shape[-1])), positions, interventions)
     return {k: v[:, 0].reshape(x.shape[:-1] + v.shape[2:]) for k, v in sites.items()}

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from linicl import compiled
-from linicl._validate import check_tokens, is_concrete
+from linicl._validate import check_index, check_tokens, is_concrete
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
 from linicl.implicit.blocks import Pieces, alone
@@ -70,7 +70,8 @@ def _references(model, variables, full, query, position, embeds: bool) -> Pieces
     cfg = config_of(model)
     kw = dict(embeds=full) if embeds else dict(tokens=full)
     acts = capture_blocks(model, variables, **kw, names=("hook_resid_pre", "hook_mlp_in", "hook_resid_mid"))
-    take = lambda a: jnp.take(a[:, 0], position, axis=1)  # noqa: E731  [L, 1, T, d] -> [L, d]
+    # [L, 1, T, d] -> [L, d]; a (traced) position past the tokens gives NaN, not a clamped token
+    take = lambda a: jnp.take(a[:, 0], position, axis=1, mode="fill", fill_value=jnp.nan)  # noqa: E731
     first = block_site(0, "hook_resid_pre")
     _, a0 = capture(model, variables, None if embeds else query, embeds=query if embeds else None,
                     names=[first], hidden=True)
@@ -105,14 +106,14 @@ def _converter(model, embeds: bool):
 
 
 def _position(position, T: int):
+    """``position`` in [-T, T) as an int32 in [0, T) (a float or bool is refused, not truncated; a
+    traced one out of range makes ``jnp.take`` return NaN)."""
+    check_index("position", position, -T, T, f"the {T} tokens of [context; query]")
     if is_concrete(position):
-        i = int(position)
-        if not -T <= i < T:
-            raise LiniclError(f"position must index the {T} tokens of [context; query] "
-                              f"(in [-{T}, {T})), got {i}")
-        return jnp.asarray(i % T, jnp.int32)
+        return jnp.asarray(int(position) % T, jnp.int32)
     position = jnp.asarray(position, jnp.int32)
-    return jnp.where(position < 0, position + T, position)
+    position = jnp.where(position < 0, position + T, position)
+    return jnp.where(position < 0, T, position)  # below -T: out of range (NaN), not wrapped twice
 
 
 def _prepare(model, variables, context, query, position):

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from linicl import compiled
+from linicl._validate import check_index, check_indices, is_concrete
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
-from linicl.implicit.blocks import Pieces, alone, block_sites
+from linicl.implicit.blocks import Pieces, alone, block_sites, check_position
 from linicl.implicit.operators import Update, first_matrices, update
 from linicl.nn.hooks import Edit
 
@@ -36,10 +37,16 @@ def subcontext(cfg: ModelConfig, block_params, Z, Y: Sequence[int]):
     ``pieces`` for the last position (g, q from [C, x]; f, p from ``rest`` = [C∖Y; x] at its last
     position; shapes ``f[1, d]``) and ``rest: f[n + 1 - |Y|, d]``."""
     Z = np.asarray(Z)
+    if Z.ndim != 2 or Z.shape[0] < 1:
+        raise LiniclError(f"Z must be f[n + 1, d] = [C; x] (concrete, one task), got shape {Z.shape}")
     n = Z.shape[0] - 1
-    Y = np.unique(np.asarray(Y, dtype=np.int64).reshape(-1))
-    if Y.size and (Y.min() < 0 or Y.max() >= n):
-        raise LiniclError(f"Y must index the context (0 <= j < {n}), got {Y.tolist()}")
+    if isinstance(Y, (set, frozenset, range)):
+        Y = list(Y)
+    elif isinstance(Y, (int, np.integer)) and not isinstance(Y, bool):
+        Y = [Y]
+    # A set: repeats are harmless; floats and bool masks are refused (astype would truncate them).
+    Y = check_indices("Y", Y, None, 0, n, f"the context C ({n} tokens)")
+    Y = np.unique(np.asarray(Y, dtype=np.int64))
     keep = np.setdiff1d(np.arange(n + 1), Y)
     rest = jnp.asarray(Z[keep])
     sites = _sites_of(cfg)
@@ -62,10 +69,30 @@ class Trajectory(NamedTuple):
     step_norms: jax.Array  # f[n]  ‖ΔW(C_i) - ΔW(C_{i-1})‖_F
 
 
+def _check_order(order, n: int):
+    """``order`` must be a permutation of 0..n-1 (``int[n]``, each index once). Concrete: checked here.
+    Traced: returns a flag; the trajectory is NaN where it is False (jnp indexing would clamp an index
+    past n, and a repeated index reads a wrong context: finite, wrong results)."""
+    what = f"the context C once each (a permutation of 0..{n - 1})"
+    order = check_indices("order", order, n, 0, n, what)
+    if not is_concrete(order):
+        return order, jnp.all(jnp.sort(order) == jnp.arange(n))
+    seen, counts = np.unique(np.asarray(order), return_counts=True)
+    if np.any(counts > 1):
+        raise LiniclError(f"order must index {what}; it repeats {seen[counts > 1].tolist()} "
+                          f"(and so misses {np.setdiff1d(np.arange(n), seen).tolist()})")
+    return order, None
+
+
 def _prefix_batch(Z, order):
     """Row i = [c_1..c_i, x, c_{i+1}..c_n]: causally, x at position i sees exactly [C_i, x]."""
     n = Z.shape[0] - 1
-    C = Z[:-1] if order is None else Z[:-1][jnp.asarray(order)]
+    C = Z[:-1]
+    if order is not None:
+        order, ok = _check_order(order, n)
+        C = C[jnp.asarray(order, jnp.int32)]
+        if ok is not None:
+            C = jnp.where(ok, C, jnp.nan)
     rows = jnp.arange(n + 1)[:, None]
     t = jnp.arange(n + 1)[None, :]
     idx = jnp.where(t < rows, t, jnp.where(t == rows, n, t - 1))
@@ -76,11 +103,18 @@ def trajectory(cfg: ModelConfig, block_params, Z, *, order=None, position=0,
                chunk: Optional[int] = None) -> Trajectory:
     """The implicit-GD trajectory of one block for ``Z: f[n + 1, d]`` = [C; x] (pure; vmap for tasks).
 
-    ``order``: read the context in this order (a permutation of 0..n-1). ``chunk``: prefixes per batch
-    (memory O(chunk · n · d) instead of O(n² · d); default: all at once). Non-causal attention hides
-    the tokens after x with an attention-logit mask.
+    ``order``: read the context in this order, ``int[n]``, a permutation of 0..n-1 (each index once;
+    under ``jit`` a traced order that is not one makes the whole trajectory NaN). ``position``: the
+    position of x run alone, an int in [0, max_len). ``chunk``: prefixes per batch (memory
+    O(chunk · n · d) instead of O(n² · d); default: all at once). Non-causal attention hides the
+    tokens after x with an attention-logit mask.
     """
     Z = jnp.asarray(Z)
+    if Z.ndim != 2 or Z.shape[0] < 1:
+        raise LiniclError(f"Z must be f[n + 1, d] = [C; x] (one task: vmap for many), got shape {Z.shape}")
+    check_position(cfg, position)
+    if chunk is not None and (not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1):
+        raise LiniclError(f"chunk must be None or a positive int (prefixes per batch), got {chunk!r}")
     n = Z.shape[0] - 1
     S = _prefix_batch(Z, order)
 
@@ -106,9 +140,13 @@ def trajectory(cfg: ModelConfig, block_params, Z, *, order=None, position=0,
 
 def gradient(cfg: ModelConfig, block_params, traj: Trajectory, i: int) -> dict:
     """Δ_i = W (g_{i-1} - g_i) fᵀ for step i in 1..n, ``{name: f[h, d]}``: the (constant) gradient of
-    ``gd_loss(W, Δ_i)``. f is recovered from v = f/‖f‖² as v/h."""
+    ``gd_loss(W, Δ_i)``. f is recovered from v = f/‖f‖² as v/h. A traced ``i`` outside 1..n gives NaN
+    (i = 0 would wrap to g_n - g_0, and jnp indexing clamps i > n)."""
+    n = traj.g.shape[0] - 1
+    check_index("i", i, 1, n + 1, f"a step 1..{n} of the trajectory")
     f = traj.update.v[0] / traj.lr
-    return {k: jnp.outer(W @ (traj.g[i - 1] - traj.g[i]), f)
+    ok = (i >= 1) & (i <= n)
+    return {k: jnp.where(ok, jnp.outer(W @ (traj.g[i - 1] - traj.g[i]), f), jnp.nan)
             for k, W in first_matrices(cfg, block_params).items()}
 
 

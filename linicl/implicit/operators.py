@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from linicl._validate import is_concrete
+from linicl._validate import check_index, is_concrete
 from linicl.config import ModelConfig
 from linicl.errors import DegenerateInputError, LiniclError
 from linicl.implicit.blocks import Pieces, alone
@@ -75,8 +75,11 @@ class Update(NamedTuple):
     delta_b: jax.Array  # f[..., T, d]
 
     def at(self, i) -> "Update":
-        """The update of position ``i`` (position axis removed)."""
-        take = functools.partial(jnp.take, indices=i, axis=-2)
+        """The update of position ``i`` in [-T, T) (position axis removed; a traced ``i`` out of
+        range gives NaN, never another position's update)."""
+        T = self.delta_b.shape[-2]
+        check_index("i", i, -T, T, f"the {T} positions of the update")
+        take = functools.partial(jnp.take, indices=i, axis=-2, mode="fill", fill_value=jnp.nan)
         v = self.v[..., 0, :] if self.v.shape[-2] == 1 else take(self.v)
         return Update({k: take(a) for k, a in self.u.items()}, v, take(self.delta_b))
 
