@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+import linicl.compiled
 import linicl.lm
 from linicl import batching, compiled, data, iclca, reporting, stats
 from linicl.errors import LiniclError
@@ -786,6 +787,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
+    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     args = parse_args(argv)
     try:
         data.resolve_data_dir(args.data_dir)

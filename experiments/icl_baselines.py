@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+import linicl.compiled
 import linicl.lm
 from linicl import data, reporting, stats
 from linicl.reporting import nonnegative_int, positive_int
@@ -251,6 +252,7 @@ def _bucket(text: str):
 
 
 def main(argv=None) -> int:
+    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     parser = reporting.argument_parser(__doc__)
     reporting.add_common_args(parser, out="results/icl_baselines", data_dir=True,
                               quick=f"CI: tasks {' '.join(QUICK_TASKS)}, 8 queries, k 0 1")

@@ -290,6 +290,7 @@ PROGRESS_IGNORES = ("out", "progress", "plots", "resume", "data_dir", "lengths")
 
 
 def main(argv=None) -> int:
+    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     args = parse_args(argv)
     args.tasks = args.tasks or data.list_tasks(args.data_dir, answers="open")
     os.makedirs(args.out, exist_ok=True)

@@ -8,6 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 
+from linicl import compiled
 from linicl.reporting import positive_int, writable_dir
 
 
@@ -75,8 +76,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except OSError as e:
             parser.error(f"argument --out: cannot write results to {args.out!r}: {e.strerror or e}")
         import jax
-        # The entry point owns the process: float64 models need x64 (float32 ones stay float32).
+        # The entry point owns the process: float64 models need x64 (float32 ones stay float32), and
+        # compiled executables are kept on disk across runs (LINICL_COMPILATION_CACHE=off: not).
         jax.config.update("jax_enable_x64", True)
+        compiled.enable_persistent_cache()
         from linicl import verify
         return verify.main(out=args.out, prompt_len=args.prompt_len, query_len=args.query_len,
                            batch=args.batch, seed=args.seed, quick=args.quick,
