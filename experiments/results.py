@@ -130,8 +130,9 @@ def _headline(name: str, report: dict, out: Path) -> str:
         return "```\n" + format_table(report) + "\n```"
     printed = (out / "stdout.txt").read_text(errors="replace") if (out / "stdout.txt").exists() else ""
     progress = re.compile(r"\d+%\|")  # tqdm bars
+    # tqdm's cursor moves ("\x1b[A", or "[A" where the escape byte was dropped) leave lines of their own
     lines = [ln for ln in printed.splitlines() if ln.strip() and "\r" not in ln and not progress.search(ln)
-             and not ln.startswith("wrote ")]
+             and not ln.startswith("wrote ") and "[A" not in ln]
     return "```\n" + "\n".join(lines[-40:]) + "\n```" if lines else "(no table)"
 
 
