@@ -141,7 +141,11 @@ def icl(teacher, tv, student, sv, tok, args, prog: reporting.Progress) -> dict:
     """Per task and k: softmax, student, student with the demonstrations converted (query alone), and
     the softmax model with the demonstrations as learned-kernel bias terms. Each finished (task, k) cell
     is saved in ``prog`` at once and reused by a resumed run."""
-    cells = [(name, k) for name in args.tasks for k in args.k]
+    # The headline cells first (zero-shot and the largest k of every task), so that an interrupted run
+    # has the issue's measure; the other k after. The returned dict is in task, k order either way.
+    first = {0, max(args.k)}
+    cells = ([(name, k) for name in args.tasks for k in args.k if k in first]
+             + [(name, k) for name in args.tasks for k in args.k if k not in first])
     bar = tqdm(total=len(cells), desc="ICL cells", disable=not args.progress)
     for name, k in cells:
         key = f"{name} k={k}"
@@ -152,7 +156,7 @@ def icl(teacher, tv, student, sv, tok, args, prog: reporting.Progress) -> dict:
                      | {"wall_s": time.perf_counter() - t0})
         bar.update(1)
     bar.close()
-    return {f"{name} k={k}": prog.get(f"{name} k={k}") for name, k in cells}
+    return {f"{name} k={k}": prog.get(f"{name} k={k}") for name in args.tasks for k in args.k}
 
 
 def icl_cell(teacher, tv, student, sv, tok, task, k: int, args) -> dict:
