@@ -54,7 +54,8 @@ def numpy_init(model, example_embeds, seed: int = 0) -> dict:
     """Variables for ``model`` drawn with NumPy from the parameter shapes (``jax.eval_shape``), with
     Flax's default distributions: kernels lecun-normal (truncated at 2 sigma, variance 1/fan_in),
     biases 0, norm scales 1, embeddings N(0, 0.02²). ``jax.jit(model.init)`` compiles the forward
-    pass and the random generator for every parameter (seconds on a CPU); this takes milliseconds.
+    pass and the random generator for every parameter (seconds on a CPU); this takes milliseconds
+    and compiles nothing (``example_embeds`` may be a ``jax.ShapeDtypeStruct``).
     """
     import numpy as np
 
@@ -76,5 +77,5 @@ def numpy_init(model, example_embeds, seed: int = 0) -> dict:
             x = 0.02 * rng.standard_normal(leaf.shape)
         else:
             x = np.zeros(leaf.shape)
-        return jnp.asarray(x, leaf.dtype)
+        return jax.device_put(np.asarray(x, leaf.dtype))  # cast by NumPy, copied as is: nothing to compile
     return jax.tree_util.tree_map_with_path(draw, shapes)
