@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-import linicl.compiled
+from linicl.compiled import enable_persistent_cache
 import linicl.lm
 from linicl import batching, compiled, data, iclca, reporting, stats
 from linicl.errors import LiniclError
@@ -787,7 +787,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
+    enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     args = parse_args(argv)
     try:
         data.resolve_data_dir(args.data_dir)

@@ -45,7 +45,7 @@ import optax
 from flax import traverse_util
 from tqdm.auto import tqdm
 
-import linicl.compiled
+from linicl.compiled import enable_persistent_cache
 from linicl import checkpoint, diagnostics, reporting
 from linicl.reporting import nonnegative_float, nonnegative_int, positive_float, positive_int
 from linicl.config import ModelConfig
@@ -425,7 +425,7 @@ def _parse_decay(text: str):
 
 
 def main(argv=None) -> int:
-    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
+    enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     parser = reporting.argument_parser(__doc__)
     reporting.add_common_args(parser, out="results/bias_training", quick="a tiny model for a few steps (CI, seconds)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (>= 1)")

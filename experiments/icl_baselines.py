@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-import linicl.compiled
+from linicl.compiled import enable_persistent_cache
 import linicl.lm
 from linicl import data, reporting, stats
 from linicl.reporting import nonnegative_int, positive_int
@@ -252,7 +252,7 @@ def _bucket(text: str):
 
 
 def main(argv=None) -> int:
-    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
+    enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     parser = reporting.argument_parser(__doc__)
     reporting.add_common_args(parser, out="results/icl_baselines", data_dir=True,
                               quick=f"CI: tasks {' '.join(QUICK_TASKS)}, 8 queries, k 0 1")
@@ -282,9 +282,9 @@ def main(argv=None) -> int:
     except LiniclError as e:
         print(f"icl_baselines: {e}", file=sys.stderr)
         return 2
-    report["table"] = markdown(report)  # the headline RESULTS.md shows
+    report["headline"] = markdown(report)  # the table RESULTS.md shows
     reporting.write_json(os.path.join(args.out, "icl_baselines.json"), report)
-    print(report["table"])
+    print(report["headline"])
     png = reporting.plot(os.path.join(args.out, "icl_baselines.png"), figure, report)
     t = report["timing"]
     print(f"\n{len(report['results'])} evaluations, {len(report['skipped'])} skipped; total {t['total_s']:.0f} s "

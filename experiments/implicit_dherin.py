@@ -29,7 +29,7 @@ import resource
 import sys
 import time
 
-import linicl.compiled
+from linicl.compiled import enable_persistent_cache
 from linicl import reporting
 from linicl.reporting import positive_float, positive_int, positive_int_list
 from linicl.timing import FAST_COMPILE, QUICK_COMPILE, peak_rss_mb
@@ -212,7 +212,7 @@ def figure(plt, report: dict):
 
 
 def main(argv=None) -> int:
-    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
+    enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     start = time.perf_counter()
     args = parse(argv)
     import jax

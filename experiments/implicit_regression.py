@@ -32,7 +32,7 @@ import os  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
 
-import linicl.compiled
+from linicl.compiled import enable_persistent_cache
 from linicl import reporting  # noqa: E402
 from linicl.reporting import nonnegative_int_list, positive_float, positive_int  # noqa: E402
 from linicl.timing import FAST_COMPILE, QUICK_COMPILE, peak_rss_mb  # noqa: E402
@@ -302,7 +302,7 @@ def plot(report: dict, prefix: str) -> list:
 
 
 def main(argv=None) -> int:
-    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
+    enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     args = parse(argv)
     import jax
     if args.dtype == "float64":

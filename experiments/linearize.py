@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from linicl.compiled import enable_persistent_cache
 import linicl
 from linicl import data, iclca, linearize, reporting, stats
 from linicl.evaluate import evaluate_prompts
@@ -294,7 +295,7 @@ PROGRESS_IGNORES = ("out", "progress", "plots", "resume", "data_dir", "lengths")
 
 
 def main(argv=None) -> int:
-    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
+    enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     args = parse_args(argv)
     args.tasks = args.tasks or data.list_tasks(args.data_dir, answers="open")
     os.makedirs(args.out, exist_ok=True)

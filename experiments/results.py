@@ -123,8 +123,9 @@ def run_one(name: str, results: Path, quick: bool, force: bool) -> None:
 
 
 def _headline(name: str, report: dict, out: Path) -> str:
-    if isinstance(report.get("table"), str):
-        return report["table"]
+    for key in ("table", "headline"):  # the table the experiment stored (an experiment's own "table" may be data)
+        if isinstance(report.get(key), str):
+            return report[key]
     if name == "verify":
         from linicl.verify import format_table
         return "```\n" + format_table(report) + "\n```"

@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-import linicl.compiled
+from linicl.compiled import enable_persistent_cache
 from linicl import reporting
 from linicl.reporting import positive_float, positive_int
 
@@ -398,7 +398,7 @@ class Progress:
 
 
 def main(argv=None) -> int:
-    linicl.compiled.enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
+    enable_persistent_cache()  # executables kept on disk across runs (LINICL_COMPILATION_CACHE)
     args = parse_args(argv)
     t_session = time.perf_counter()
     import linicl
