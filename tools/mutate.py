@@ -1,0 +1,336 @@
+"""Mutation run: apply plausible bugs to linicl one at a time and see which tests catch them.
+
+Each mutant is a few exact string replacements in ``linicl/`` (a bug someone could plausibly write:
+per-head decays reversed, the normaliser state built from rotated features, an off-by-one in a decay
+exponent or a window mask, key/value heads tiled instead of repeated, ...). For each mutant the
+script copies ``linicl/``, ``tests/`` and ``pyproject.toml`` of the working tree into a temporary
+folder (one snapshot at the start; each mutant patches its own copy of it, the working tree is never
+touched) and runs there, with ``PYTHONPATH`` set to the copy:
+
+1. the mutant's relevant existing test files (``pytest -x -q -n 0``), then
+2. ``tests/nn/test_reference.py`` (the independent NumPy reference) on its own,
+
+and reports which test failed first in each. A replacement whose text is not found exactly as often
+as expected (the source changed) is reported as ``not applied``, never run as a silent no-op. At the
+end the tests that caught a mutant are run once more on the unmutated copy: a test that fails there
+would be a false catch, and is flagged.
+
+Usage (from the repository root; CPU heavy, a full run takes a while):
+
+    .venv/bin/python tools/mutate.py                      # every mutant
+    .venv/bin/python tools/mutate.py --list               # the mutants, their bugs and test files
+    .venv/bin/python tools/mutate.py --only reverse-decays --only gqa-tile
+    .venv/bin/python tools/mutate.py --tests tests/nn/test_model.py   # these tests instead (one phase)
+    .venv/bin/python tools/mutate.py --no-reference       # only the existing tests
+    .venv/bin/python tools/mutate.py --json results/mutants.json
+
+The table printed at the end: mutant | caught | by test (existing files) | by test_reference.py |
+seconds. ``--profile`` sets ``HYPOTHESIS_PROFILE`` (default ``ci``, the suite's own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+REFERENCE = "tests/nn/test_reference.py"
+
+# Test files, by what they check.
+KERNELS = "tests/kernels/test_kernels.py"
+MODEL = "tests/nn/test_model.py"
+ICLCA = "tests/iclca/test_iclca.py"
+FINITE = "tests/nn/test_finite_state.py"
+APPROX = "tests/iclca/test_iclca_approx.py"
+HF = "tests/lm/test_pretrained.py::test_logits_match_hf_transformers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str
+    edits: tuple  # ((path, old, new, count), ...): count = how often old must occur
+    tests: tuple  # the relevant existing test files (or node ids), fastest first
+
+
+def _edit(path: str, old: str, new: str, count: int = 1):
+    return (path, old, new, count)
+
+
+ATTN, LIN, HYB = "linicl/nn/attention.py", "linicl/kernels/linear_attention.py", "linicl/kernels/hybrid_attention.py"
+SOFT, POS, FMAP = "linicl/kernels/softmax_attention.py", "linicl/kernels/positions.py", "linicl/kernels/feature_maps.py"
+
+MUTANTS = (
+    Mutant("reverse-decays", "per-head decays applied in reverse head order",
+           (_edit(ATTN, "jnp.log(jnp.asarray(gammas, self.cfg.jnp_dtype))",
+                  "jnp.log(jnp.asarray(gammas[::-1], self.cfg.jnp_dtype))"),),
+           (KERNELS, MODEL, ICLCA, FINITE)),
+    Mutant("z-state-from-rotated-features", "the parallel/chunked forms build the final normaliser state z "
+           "from the rotated numerator features instead of the unrotated ones",
+           (_edit(LIN, "z = state.z + k_den.sum(axis=-2)", "z = state.z + k.sum(axis=-2)"),
+            _edit(LIN, "(k_den * g_out[:, :, None]).sum(axis=-2)", "(k * g_out[:, :, None]).sum(axis=-2)")),
+           (KERNELS, ICLCA, MODEL, FINITE)),
+    Mutant("normaliser-rotated", "rope on the features also rotates the normaliser's features (every form "
+           "and the state alike)",
+           (_edit(ATTN, "            q_den, k_den = fq, fk\n            fq, fk = rotate(fq), rotate(fk)\n",
+                  "            fq, fk = rotate(fq), rotate(fk)\n            q_den, k_den = fq, fk\n"),),
+           (MODEL, ICLCA, FINITE)),
+    Mutant("decay-state-age-off-by-one", "the initial state decays by gamma^t instead of gamma^(t+1) "
+           "(parallel form)",
+           (_edit(LIN, "g_in = _gamma_powers(log_gamma, jnp.arange(1, T + 1))",
+                  "g_in = _gamma_powers(log_gamma, jnp.arange(0, T))"),),
+           (KERNELS, ICLCA, MODEL, FINITE)),
+    Mutant("decay-matrix-off-by-one", "the decay matrix weighs key i at query t by gamma^(t-i+1)",
+           (_edit(LIN, "jnp.exp(jnp.where(causal, diff, 0)[None]", "jnp.exp(jnp.where(causal, diff + 1, 0)[None]"),),
+           (KERNELS, MODEL, ICLCA, FINITE)),
+    Mutant("softmax-scale-dropped", "softmax logits q.k without the 1/sqrt(d) scale (cache and full pass alike)",
+           (_edit(SOFT, "scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale",
+                  "scale = 1.0 if scale is None else scale"),),
+           (HF, KERNELS, MODEL, APPROX)),
+    Mutant("window-scale-dropped", "the hybrid's exact logits without the 1/sqrt(d) scale (every form)",
+           (_edit(HYB, "jnp.einsum(\"bhtd,bhsd->bhts\", q, k) / math.sqrt(q.shape[-1])",
+                  "jnp.einsum(\"bhtd,bhsd->bhts\", q, k)"),
+            _edit(HYB, "scale = 1.0 / math.sqrt(q.shape[-1])", "scale = 1.0")),
+           (FINITE, ICLCA, MODEL)),
+    Mutant("feature-map-q-k-swapped", "a fixed feature map returns (phi(k), phi(q)): queries and keys swapped",
+           (_edit(ATTN, "return phi(q), phi(k)", "return phi(k), phi(q)"),),
+           (MODEL, ICLCA, FINITE)),
+    Mutant("hedgehog-q-k-swapped", "hedgehog's query map is applied to the keys and the key map to the queries",
+           (_edit(ATTN, "for name, x in ((\"q\", q), (\"k\", k)):", "for name, x in ((\"q\", k), (\"k\", q)):"),),
+           (FINITE, ICLCA, MODEL)),
+    Mutant("window-off-by-one", "the exact window holds one token more (age <= window, every form)",
+           (_edit(HYB, "((c_pos < sinks)[None, :] | (age < window))", "((c_pos < sinks)[None, :] | (age <= window))"),
+            _edit(HYB, "& (age >= window)", "& (age > window)"),
+            _edit(HYB, "((pos < sinks) | (t - pos < window))", "((pos < sinks) | (t - pos <= window))")),
+           (FINITE, ICLCA, MODEL)),
+    Mutant("sinks-off-by-one", "positions <= sinks stay exact (parallel form)",
+           (_edit(HYB, "((c_pos < sinks)[None, :] | (age < window))", "((c_pos <= sinks)[None, :] | (age < window))"),
+            _edit(HYB, "linear = visible & (c_pos >= sinks)[None, :]", "linear = visible & (c_pos > sinks)[None, :]")),
+           (FINITE, ICLCA, MODEL)),
+    Mutant("window-gate-ignored", "the exact window's weight g_h = sigmoid(gate) is dropped (every form)",
+           (_edit(HYB, "return jax.nn.sigmoid(gate)[:, None, None] * D * e", "return D * e"),
+            _edit(HYB, "g = jax.nn.sigmoid(gate)", "g = jnp.ones_like(gate)")),
+           (FINITE, ICLCA, MODEL)),
+    Mutant("window-logits-unrotated", "with rope on the features the exact window scores unrotated q, k",
+           (_edit(ATTN, "q_exact, k_exact = (rotate(q), rotate(k)) if rope and cfg.rope_on == \"features\" else (q, k)",
+                  "q_exact, k_exact = q, k"),),
+           (FINITE, ICLCA, MODEL)),
+    Mutant("gqa-tile", "grouped-query heads tiled (head h reads kv head h % kv_heads) instead of repeated",
+           (_edit(SOFT, "jnp.repeat(a, rep, axis=1)", "jnp.tile(a, (1, rep, 1, 1))"),),
+           (HF, KERNELS, MODEL, ICLCA, APPROX)),
+    Mutant("rope-styles-swapped", "the interleaved and half pairings exchanged",
+           (_edit(POS, "if style == \"interleaved\":", "if style == \"half\":"),),
+           (KERNELS, MODEL, ICLCA, HF)),
+    Mutant("rope-odd-width", "with an odd width the frequencies use d instead of the rotated width d - 1",
+           (_edit(POS, "d_rot = dim - dim % 2", "d_rot = dim"),),
+           (KERNELS, MODEL, ICLCA)),
+    Mutant("rebase-off-by-one", "the stored rope state is re-based by R(-(n-1)) instead of R(-n)",
+           (_edit(ATTN, "rebase_state(S, n_tokens, self.cfg.rope_base", "rebase_state(S, n_tokens - 1, self.cfg.rope_base"),),
+           (ICLCA, MODEL, FINITE)),
+    Mutant("attn-eps-dropped", "linear attention's denominator without the model's epsilon (parallel and "
+           "recurrent forms)",
+           (_edit(LIN, "return num / (den + eps)[..., None], LinearState(S, z)", "return num / den[..., None], LinearState(S, z)"),
+            _edit(LIN, "o = o / (jnp.einsum(\"bhf,bhf->bh\", qd_t, z) + eps)[..., None]",
+                  "o = o / jnp.einsum(\"bhf,bhf->bh\", qd_t, z)[..., None]")),
+           (KERNELS, MODEL, ICLCA)),
+    Mutant("elu-without-plus-one", "the elu+1 feature map returns elu(x)",
+           (_edit(FMAP, "return jax.nn.elu(x) + 1", "return jax.nn.elu(x)"),),
+           (KERNELS, MODEL, ICLCA)),
+    Mutant("hedgehog-sign", "hedgehog's second half is softmax(xW + b) instead of softmax(-(xW + b))",
+           (_edit(FMAP, "jax.nn.softmax(-a, axis=-1)], axis=-1)", "jax.nn.softmax(a, axis=-1)], axis=-1)"),),
+           (FINITE, ICLCA, MODEL)),
+    Mutant("taylor2-half", "taylor2's quadratic features divided by 2 instead of sqrt(2) (1 + s + s^2/4)",
+           (_edit(FMAP, "x, outer / math.sqrt(2.0)], axis=-1)", "x, outer / 2.0], axis=-1)"),),
+           (KERNELS, MODEL, ICLCA)),
+    Mutant("swiglu-gate-swapped", "the gated MLP computes act(fc_in(x)) * fc_gate(x)",
+           (_edit("linicl/nn/block.py", "h = act(dense(cfg.d_ff, name=\"fc_gate\")(x)) * pre",
+                  "h = act(pre) * dense(cfg.d_ff, name=\"fc_gate\")(x)"),),
+           (HF, MODEL, ICLCA)),
+    Mutant("approx-sinks-linearised-too", "convert_approx also puts the exact sink tokens into (B, b): "
+           "they are counted twice",
+           (_edit("linicl/iclca.py", "repeat_kv(k[:, :, sinks:], cfg.n_heads), repeat_kv(v[:, :, sinks:], cfg.n_heads)",
+                  "repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads)"),),
+           (APPROX,)),
+)
+
+
+# ------------------------------------------------------------------------------ the copy and the run
+def _copy_tree(dest: pathlib.Path, source: pathlib.Path = REPO) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
+    for name in ("linicl", "tests"):
+        shutil.copytree(source / name, dest / name, ignore=ignore)
+    shutil.copy2(source / "pyproject.toml", dest / "pyproject.toml")
+
+
+def _apply(dest: pathlib.Path, mutant: Mutant) -> Optional[str]:
+    """Patch the copy; returns None, or why a replacement could not be made exactly."""
+    for path, old, new, count in mutant.edits:
+        file = dest / path
+        text = file.read_text()
+        found = text.count(old)
+        if found != count:
+            return f"{path}: expected {count} occurrence(s) of {old!r}, found {found}"
+        file.write_text(text.replace(old, new))
+    return None
+
+
+@dataclasses.dataclass
+class Run:
+    failed: Optional[str]  # the first failing test (node id), or a reason; None when all passed
+    seconds: float
+    returncode: int
+    tail: str
+
+
+def _first_failure(output: str, returncode: int) -> Optional[str]:
+    if returncode == 0:
+        return None
+    for line in output.splitlines():
+        m = re.match(r"^(FAILED|ERROR) (\S+)", line)
+        if m:
+            return m.group(2) if m.group(1) == "FAILED" else f"error: {m.group(2)}"
+    if returncode == 5:
+        return "no tests collected"
+    return f"pytest exit {returncode}"
+
+
+def _pytest(dest: pathlib.Path, tests: Sequence[str], env: dict, timeout: float, stop: bool = True) -> Run:
+    cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-n", "0", "-p", "no:cacheprovider",
+           "--rootdir", str(dest)] + (["-x"] if stop else [])
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
+        output, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return Run(f"timeout after {timeout:.0f} s", time.monotonic() - start, -1, output[-2000:])
+    return Run(_first_failure(output, code), time.monotonic() - start, code, output[-2000:])
+
+
+def _env(dest: pathlib.Path, profile: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(dest) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["HYPOTHESIS_PROFILE"] = profile
+    return env
+
+
+def _check_imports_copy(dest: pathlib.Path, env: dict) -> None:
+    """The copy, not the editable install of the working tree, must be what the tests import."""
+    out = subprocess.run([sys.executable, "-c", "import linicl; print(linicl.__file__)"], cwd=dest, env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    if not pathlib.Path(out).resolve().is_relative_to(dest.resolve()):
+        sys.exit(f"mutate.py: the tests would import linicl from {out}, not from the copy in {dest}")
+
+
+# ------------------------------------------------------------------------------ main
+def _select(names: Sequence[str]) -> list:
+    if not names:
+        return list(MUTANTS)
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"mutate.py: unknown mutant(s) {unknown}; --list shows them")
+    return [known[n] for n in names]
+
+
+def _table(rows: list, with_reference: bool) -> str:
+    head = ["mutant", "caught", "by test" + (" (existing files)" if with_reference else ""),
+            *(["by " + REFERENCE] if with_reference else []), "seconds"]
+    body = [[r["mutant"], r["caught"], r["by_test"] or "-", *([r["by_reference"] or "-"] if with_reference else []),
+             f"{r['seconds']:.0f}"] for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    fmt = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, body)])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this mutant (repeatable)")
+    parser.add_argument("--tests", nargs="+", metavar="PATH", help="run these test files/node ids for every "
+                        "mutant instead of its relevant files and the reference (one phase)")
+    parser.add_argument("--no-reference", action="store_true", help=f"skip the {REFERENCE} phase")
+    parser.add_argument("--no-baseline", action="store_true", help="skip re-running the catching tests unmutated")
+    parser.add_argument("--profile", default="ci", help="HYPOTHESIS_PROFILE for the runs (default: ci)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per pytest run (default 3600)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    args = parser.parse_args(argv)
+    mutants = _select(args.only)
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}: {m.bug}\n    edits: {', '.join(sorted({e[0] for e in m.edits}))}\n"
+                  f"    tests: {' '.join(m.tests)}")
+        return 0
+    with_reference = not args.no_reference and not args.tests
+    root = pathlib.Path(tempfile.mkdtemp(prefix="linicl-mutants-"))
+    rows = []
+    try:
+        # One snapshot of the working tree: every mutant starts from it, whatever changes meanwhile.
+        clean = root / "unmutated"
+        _copy_tree(clean)
+        _check_imports_copy(clean, _env(clean, args.profile))
+        for m in mutants:
+            dest = root / m.name
+            _copy_tree(dest, clean)
+            env = _env(dest, args.profile)
+            problem = _apply(dest, m)
+            row = dict(mutant=m.name, bug=m.bug, caught="not applied", by_test=problem, by_reference=None,
+                       seconds=0.0)
+            if problem is None:
+                first = _pytest(dest, args.tests or m.tests, env, args.timeout)
+                ref = _pytest(dest, [REFERENCE], env, args.timeout) if with_reference else None
+                row.update(by_test=first.failed, by_reference=ref and ref.failed,
+                           seconds=first.seconds + (ref.seconds if ref else 0.0),
+                           caught="yes" if first.failed or (ref and ref.failed) else "NO")
+            rows.append(row)
+            print(f"[{len(rows)}/{len(mutants)}] {m.name}: caught={row['caught']} by={row['by_test']} "
+                  f"reference={row['by_reference']} ({row['seconds']:.0f} s)", flush=True)
+            if not args.keep:
+                shutil.rmtree(dest, ignore_errors=True)
+        if not args.no_baseline:
+            _baseline(rows, clean, _env(clean, args.profile), args.timeout)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(_table(rows, with_reference))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if all(r["caught"] == "yes" for r in rows) else 1
+
+
+def _baseline(rows: list, clean: pathlib.Path, env: dict, timeout: float) -> None:
+    """Re-run every catching test on the unmutated copy; flag the catches of tests that fail there."""
+    ids = sorted({r[k] for r in rows for k in ("by_test", "by_reference")
+                  if r[k] and "::" in r[k] and not r[k].startswith(("error", "timeout"))})
+    if not ids:
+        return
+    run = _pytest(clean, ids, env, timeout, stop=False)
+    if run.returncode == 0:
+        print(f"baseline: the {len(ids)} catching tests pass on the unmutated copy")
+        return
+    bad = {line.split()[1] for line in run.tail.splitlines() if line.startswith(("FAILED ", "ERROR "))}
+    print(f"baseline: these tests FAIL on the unmutated copy too (their catches are not evidence): "
+          f"{sorted(bad) or run.tail}")
+    for r in rows:
+        for k in ("by_test", "by_reference"):
+            if r[k] in bad:
+                r[k] += " (fails unmutated!)"
+        if r["caught"] == "yes" and not any(r[k] and "::" in r[k] and not r[k].endswith("unmutated!)")
+                                            for k in ("by_test", "by_reference")):
+            r["caught"] = "unclear"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
