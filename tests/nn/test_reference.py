@@ -18,9 +18,9 @@ NumPy loops and direct sums over keys, reading only the parameters of the initia
   (re-based), z = sum_s gamma^(n-1-s) phi(k_s) (unrotated features), the window and sink buffers;
 * decoding from a converted prompt, and the kernel-approximated prompt of ``iclca.convert_approx``.
 
-Nothing of linicl is used to compute a reference (no feature map, rope, norm or kernel function), so a
-bug in linicl cannot cancel on both sides. Tolerance: ``EXACT_RTOL`` (1e-12 relative). Run
-``tools/mutate.py`` to see which plausible bugs these tests catch.
+Nothing of linicl is used to compute a reference (no feature map, rope, norm or kernel function, not
+even ModelConfig's derived properties), so a bug in linicl cannot cancel on both sides. Tolerance:
+``EXACT_RTOL`` (1e-12 relative). Run ``tools/mutate.py`` to see which plausible bugs these tests catch.
 """
 
 import math
@@ -125,7 +125,7 @@ def _norm(cfg, p, x):
 
 
 def _mlp(cfg, p, x):
-    bias = cfg.has_mlp_bias
+    bias = _bias(cfg, "mlp")
     if cfg.mlp == "gated":  # fc_out(act(fc_gate(x)) * fc_in(x))
         h = _act(cfg.activation, _dense(p["fc_gate"], x, bias)) * _dense(p["fc_in"], x, bias)
     else:  # fc_out(act(... act(fc_in(x)))) with mlp_depth - 2 hidden layers
@@ -144,9 +144,24 @@ def _gammas(cfg):
     return [float(g) for g in cfg.decay]
 
 
+def _kv_heads(cfg):
+    return cfg.n_heads if cfg.n_kv_heads is None else cfg.n_kv_heads
+
+
+def _hybrid(cfg):
+    """Linear attention with an exact window or sinks."""
+    return cfg.attention == "linear" and (cfg.window > 0 or cfg.sinks > 0)
+
+
+def _bias(cfg, which):
+    """Whether the attention or MLP projections have biases (``attn_bias``/``mlp_bias``, else ``use_bias``)."""
+    own = cfg.attn_bias if which == "attn" else cfg.mlp_bias
+    return cfg.use_bias if own is None else own
+
+
 def _kv_head(cfg, h):
     """Grouped-query attention: query head h reads key/value head h // (H / kv_heads) (HF order)."""
-    return h // (cfg.n_heads // cfg.kv_heads)
+    return h // (cfg.n_heads // _kv_heads(cfg))
 
 
 def _linear_head(cfg, p, h, q, k, v, pos, rec):
@@ -168,7 +183,7 @@ def _linear_head(cfg, p, h, q, k, v, pos, rec):
     # The exact (window/sink) logits score rotated q, k whichever features rope rotates.
     qe, ke = (rot(q), rot(k)) if rope and cfg.rope_on == "features" else (q, k)
     gam = _gammas(cfg)[h]
-    g = 1.0 / (1.0 + math.exp(-float(p["gate"][h]))) if cfg.hybrid else 0.0
+    g = 1.0 / (1.0 + math.exp(-float(p["gate"][h]))) if _hybrid(cfg) else 0.0
     y = np.zeros_like(v)
     for t in range(T):
         exact = [s for s in range(t + 1) if pos[s] < cfg.sinks or pos[t] - pos[s] < cfg.window]
@@ -213,11 +228,11 @@ def _softmax_head(cfg, q, k, v, qpos, kpos, approx=None):
 
 def _attention(cfg, p, x, pos, rec, approx=None):
     """Multi-head attention of ``x: [B, T, D]`` at ``pos: [T]`` -> ``[B, T, D]``."""
-    H, d, bias = cfg.n_heads, cfg.head_dim, cfg.has_attn_bias
+    H, d, bias = cfg.n_heads, cfg.d_model // cfg.n_heads, _bias(cfg, "attn")
     q = np.einsum("btm,mhd->bthd", x, p["q"]["kernel"]) + (p["q"]["bias"] if bias else 0)
     k = np.einsum("btm,mhd->bthd", x, p["k"]["kernel"]) + (p["k"]["bias"] if bias else 0)
     v = np.einsum("btm,mhd->bthd", x, p["v"]["kernel"]) + (p["v"]["bias"] if bias else 0)
-    assert q.shape[2] == H and k.shape[2] == cfg.kv_heads and q.shape[3] == d
+    assert q.shape[2] == H and k.shape[2] == _kv_heads(cfg) and q.shape[3] == d
     out = np.zeros(q.shape)
     for b in range(x.shape[0]):
         for h in range(H):
@@ -430,12 +445,12 @@ def expected_state(cfg, params, records, layer, b, h, n):
     p = params[f"layers_{layer}"]["attn"]
     if cfg.trainable_bias:
         S, z = S + gam ** n * p["S_bias"][h], z + gam ** n * p["z_bias"][h]
-    if cfg.positions == "rope" and cfg.rope_on == "features" and not cfg.hybrid:
+    if cfg.positions == "rope" and cfg.rope_on == "features" and not _hybrid(cfg):
         S = _rope(S.T, np.full(S.shape[1], -n), cfg.rope_base, cfg.rope_style).T
     if cfg.trainable_bias:
         S, z = S - p["S_bias"][h], z - p["z_bias"][h]
     state = dict(S=S, z=z)
-    if cfg.hybrid:
+    if _hybrid(cfg):
         def rows(key, at):  # the token's entry per slot, zeros in an empty slot (position < 0)
             out = np.zeros((len(at), r[key].shape[1]))
             for j, s in enumerate(at):
@@ -486,7 +501,9 @@ def test_converted_state_and_model_equal_the_numpy_reference(name, n):
                 for field, want in expected_state(cfg, params, records, layer, b, h, n).items():
                     got = stored[field] if field.endswith("_pos") else stored[field][b, h]
                     _assert_state(got, want, f"layer {layer} row {b} head {h} {field}")
-    assert int(converted[POSITION]["offset"]) == (n if cfg.keeps_offset else 0)
+    # The query continues at n when the model depends on absolute positions, else restarts at 0.
+    absolute = cfg.positions == "learned" or _hybrid(cfg) or (cfg.positions == "rope" and cfg.rope_on == "inputs")
+    assert int(converted[POSITION]["offset"]) == (n if absolute else 0)
     full = np.concatenate([prompt, query], 1)
     assert _err(apply(converted, query), np_forward(cfg, params, full)[0][:, n:]) <= EXACT_RTOL
     twice = iclca.convert(model, converted, p2)
