@@ -2,7 +2,10 @@
 
 Every layer keeps its running state in the ``"decode"`` collection: linear attention its (S, z),
 which starts from a converted prompt's ``"prompt_state"`` when there is one, softmax attention its
-key-value cache. One ``lax.scan`` over the new tokens: nothing retraces per position.
+key-value cache. Two compiled functions: a prefill reads the prompt (compiled per length bucket
+where right padding is exact, causal softmax attention, else per length), and one ``lax.scan`` makes
+the new tokens (compiled once per batch size and number of new tokens, whatever the prompt length):
+nothing retraces per position, nor per prompt length within a bucket.
 
 A row whose logits are not finite never becomes a token id: it gets ``FAILED`` (-1). Under ``jit``
 that is how an out-of-range token or a position past ``max_len`` shows (the model turns them into
@@ -21,7 +24,7 @@ from jax.experimental import checkify
 from linicl import compiled
 from linicl._validate import check_fits, check_tokens, is_concrete
 from linicl.errors import LiniclError
-from linicl.names import DECODE
+from linicl.names import DECODE, POSITION, PROMPT_APPROX
 from linicl.nn.transformer import config_of, position_offset
 
 FAILED = -1  # the token generated from logits that are not finite (NaN or inf)
@@ -32,33 +35,45 @@ _NOT_FINITE = ("generate: the model's logits are not finite (NaN or inf), so no 
                "cache) shows; otherwise check the variables for NaN")
 
 
-def _generate_fn(model, greedy: bool):
-    # One compiled function per (model, greedy); a new prompt length or n_new retraces it (shapes).
-    return compiled.get(("generate", model, greedy), lambda: jax.jit(_decoder(model, greedy)))
+def _pick(logits, key, temperature, greedy: bool):
+    """``logits: f[batch, vocab]`` -> ``int32[batch]``; FAILED for a row that is not all finite
+    (argmax and categorical would turn NaN into a valid id, usually 0)."""
+    if greedy:
+        tok = jnp.argmax(logits, axis=-1)
+    else:
+        tok = jax.random.categorical(key, logits / temperature, axis=-1)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    return jnp.where(finite, tok, FAILED).astype(jnp.int32)
 
 
-def _decoder(model, greedy: bool):
-    """``run(variables, tokens, keys, temperature) -> int32[batch, n_new]`` (n_new = len(keys))."""
-
-    def pick(logits, key, temperature):
-        """``logits: f[batch, vocab]`` -> ``int32[batch]``; FAILED for a row that is not all finite
-        (argmax and categorical would turn NaN into a valid id, usually 0)."""
-        if greedy:
-            tok = jnp.argmax(logits, axis=-1)
-        else:
-            tok = jax.random.categorical(key, logits / temperature, axis=-1)
-        finite = jnp.all(jnp.isfinite(logits), axis=-1)
-        return jnp.where(finite, tok, FAILED).astype(jnp.int32)
-
-    def run(variables, tokens, keys, temperature):
+def _prefill_fn(model):
+    """jit ``(variables, tokens, length) -> (decode state, logits f[batch, vocab] at the last prompt
+    token)``. ``tokens: int32[batch, T]`` holds the prompt in its first ``length`` (``int32[]``)
+    columns; the rest is right padding (``_padded_length``), which the returned state forgets. One
+    compile per padded length T: prompts of other lengths in the same bucket reuse it."""
+    def prefill(variables, tokens, length):
         logits, state = model.apply(variables, tokens, mutable=[DECODE])
-        first = pick(logits[:, -1], keys[0], temperature)
+        last = jax.lax.dynamic_index_in_dim(logits, length - 1, axis=1, keepdims=False)
+        return _forget_padding(state, tokens.shape[1] - length), last
+    return compiled.get(("generate.prefill", model), lambda: jax.jit(prefill))
+
+
+def _decode_fn(model, greedy: bool):
+    """jit ``(variables, state, last, key, temperature, n_new) -> int32[batch, n_new]``: the first new
+    token picked from the prompt's ``last`` logits, then one ``lax.scan`` step per further token,
+    each feeding back the token before. Sampling splits ``key`` into one key per new token (the
+    first for the first token); greedy decoding ignores it. The decode state has the same shapes for
+    every prompt length (softmax: a ``max_len`` cache; linear: the (S, z) state), so this compiles
+    once per batch size and ``n_new`` (static)."""
+    def decode(variables, state, last, key, temperature, n_new):
+        keys = jnp.zeros((n_new, 2), jnp.uint32) if greedy else jax.random.split(key, n_new)
+        first = _pick(last, keys[0], temperature, greedy)
 
         # A FAILED token fed back is out of range, so the rest of its row fails too.
         def step(carry, key):
             state, tok = carry
             logits, state = model.apply({**variables, **state}, tok[:, None], mutable=[DECODE])
-            nxt = pick(logits[:, -1], key, temperature)
+            nxt = _pick(logits[:, -1], key, temperature, greedy)
             return (state, nxt), nxt
 
         _, rest = jax.lax.scan(step, (state, first), keys[1:])
@@ -66,8 +81,44 @@ def _decoder(model, greedy: bool):
         # A no-op unless the caller wraps the call in jax.experimental.checkify.checkify.
         checkify.debug_check(jnp.all(out != FAILED), _NOT_FINITE)
         return out
+    return compiled.get(("generate.decode", model, greedy), lambda: jax.jit(decode, static_argnums=5))
 
-    return run
+
+def _forget_padding(state, n_pad):
+    """The decode state after a padded prefill, as if only the real tokens had been read: the
+    counters of tokens read (``n_tokens``, a softmax cache's fill ``index``) go back by ``n_pad``.
+    The padding's keys stay in the cache, at positions later than the query's, so the causal mask
+    hides each of them until the decode overwrites its slot with a real token at that position."""
+    def rewind(path, leaf):
+        return leaf - n_pad if getattr(path[-1], "key", None) in ("n_tokens", "index") else leaf
+    return jax.tree_util.tree_map_with_path(rewind, state)
+
+
+def _bucket(n: int) -> int:
+    """The smallest of 16, 24, 32, 48, 64, 96, ... (16 * 2^i and 24 * 2^i) that holds ``n``: at most
+    50 % padding, two compiled prefills per doubling of the prompt length (as
+    ``linicl.batching.bucket_length``, a layer above)."""
+    size = 16
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+def _padded_length(cfg, variables, n: int) -> int:
+    """The prefill length of an ``n``-token prompt: its bucket where right padding is exact, else ``n``.
+
+    Exact: causal softmax attention, whose decode cache keeps every key with its position (the padding
+    is hidden by the causal mask and overwritten), with nothing in ``variables`` that depends on the
+    sequence length (edits, captured activations). Not with learned positions after a stored prompt
+    (the offset could push the padding past ``max_len``, whose NaN would reach the real tokens through
+    the attention weights' zeros), nor with linear attention, whose state would sum the padding."""
+    if cfg.attention != "softmax" or not cfg.causal:
+        return n
+    if not set(variables) <= {"params", PROMPT_APPROX, POSITION}:
+        return n
+    if cfg.positions == "learned" and POSITION in variables:
+        return n
+    return max(n, min(_bucket(n), cfg.max_len))
 
 
 def _check_finite(out) -> None:
@@ -107,8 +158,14 @@ def generate(model, variables, tokens, n_new: int, *, key: Optional[jax.Array] =
         check_fits("tokens", 0, total, cfg.max_len, "generation with the decode cache")
     variables = {k: v for k, v in variables.items() if k != DECODE}  # a fresh decode every call
     greedy = key is None
-    keys = jnp.zeros((n_new, 2), jnp.uint32) if greedy else jax.random.split(key, n_new)
-    out = _generate_fn(model, greedy)(variables, tokens, keys, jnp.asarray(temperature))
+    n = tokens.shape[1]
+    padded = _padded_length(cfg, variables, n)
+    if padded > n:  # id 0, which every vocabulary has; never read (_forget_padding)
+        pad = ((0, 0), (0, padded - n))
+        tokens = jnp.asarray(np.pad(np.asarray(tokens), pad)) if is_concrete(tokens) else jnp.pad(tokens, pad)
+    state, last = _prefill_fn(model)(variables, tokens, jnp.asarray(n, jnp.int32))
+    key = np.zeros(2, np.uint32) if greedy else key  # greedy: a placeholder, never read
+    out = _decode_fn(model, greedy)(variables, state, last, key, jnp.asarray(temperature), n_new)
     if is_concrete(out):
         _check_finite(out)
     return out

