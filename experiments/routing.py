@@ -162,13 +162,16 @@ def random_pids(pids, seed: int):
 
 def prepare(model, variables, tokenizer, tasks, pids, args):
     """The cached zero-shot training queries of the ID tasks (``linicl.routing.prepare``)."""
-    from linicl import routing
-    prompts, answers = [], []
+    from linicl import evaluate, routing
+    rows, answers = [], []
     for task in tasks:
         ps, template = zero_shot_prompts(task, tokenizer, args.train, args.seed, add_bos=BOS_FLAG[args.bos])
-        prompts += ps
-        answers += [tokenizer.encode(template.label_prefix + p.label)[0] for p in ps]
-    return routing.prepare(model, variables, prompts, answers, pids, progress=args.progress)
+        # The target is the answer's first content token, after its blank prefix (if the tokenizer
+        # splits one off): a shared leading blank would teach the router nothing about the answer.
+        r, ids = evaluate.first_content_targets(tokenizer, ps, [p.label for p in ps], template.label_prefix)
+        rows += r
+        answers += list(ids)
+    return routing.prepare(model, variables, rows, answers, pids, progress=args.progress)
 
 
 def train(model, variables, pids, data, args, checkpoint):

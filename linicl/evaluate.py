@@ -335,13 +335,24 @@ def _score_labels(model, variables, tokenizer, prompts, gold_words, labels, labe
                 label_words=labels, label_ids=label_ids, label_scores=scores)
 
 
-def _score_first_content(model, variables, tokenizer, prompts, gold_words, label_prefix, common):
-    """Teacher-force each gold answer's blank prefix, then score its first content token."""
+def first_content_targets(tokenizer, prompts, gold_words: Sequence[str], label_prefix: str = ""):
+    """Next-token targets that tell answers apart: ``(rows, gold_ids)`` with ``rows[i]: int32[n_i]``
+    the prompt's tokens followed by its gold answer's blank prefix (teacher-forced) and
+    ``gold_ids: int32[N]`` the answer's first content token (``first_content_index``), which the
+    model should predict after ``rows[i]``. Prompts are ``linicl.data.Prompt`` or token arrays. For
+    scoring and for training on answers a tokenizer may start with a shared blank (" 5" -> [" ", "5"])."""
+    if len(prompts) != len(gold_words):
+        raise LiniclError(f"first_content_targets: {len(prompts)} prompts but {len(gold_words)} gold_words")
     golds = [_answer_ids(tokenizer, label_prefix + w) for w in gold_words]
     cut = [first_content_index(tokenizer, g) for g in golds]
-    rows = [np.concatenate([np.asarray(p.tokens, np.int32), np.asarray(g[:j], np.int32)])
+    rows = [np.concatenate([np.asarray(getattr(p, "tokens", p), np.int32), np.asarray(g[:j], np.int32)])
             for p, g, j in zip(prompts, golds, cut)]
-    gold_ids = np.asarray([g[j] for g, j in zip(golds, cut)], np.int32)
+    return rows, np.asarray([g[j] for g, j in zip(golds, cut)], np.int32)
+
+
+def _score_first_content(model, variables, tokenizer, prompts, gold_words, label_prefix, common):
+    """Teacher-force each gold answer's blank prefix, then score its first content token."""
+    rows, gold_ids = first_content_targets(tokenizer, prompts, gold_words, label_prefix)
     lp = np.stack(run_logprobs(model, variables, rows, select=lambda a: a, **common))
     pred_ids = np.argmax(lp, axis=-1).astype(np.int32)
     return dict(metric="first_content_token", predictions=tuple(tokenizer.decode([int(i)]) for i in pred_ids),
@@ -423,4 +434,4 @@ def evaluate(model, variables, tokenizer, task: Task, *, k: int, seed: int = 0, 
 
 
 __all__ = ["EvalResult", "evaluate", "evaluate_prompts", "label_logprobs", "run_logprobs", "greedy_answers",
-           "normalise_answer", "first_content_index"]
+           "normalise_answer", "first_content_index", "first_content_targets"]

@@ -402,3 +402,17 @@ def test_smollm2_few_shot_beats_zero_shot(smollm2):
     # Every decoding step is one batch of 16 rows at the one bucket of 48 positions.
     assert four.tokens_per_s > 0 and four.n_padded_tokens % (16 * 48) == 0 and four.n_padded_tokens > 0
 
+
+
+def test_first_content_targets_skip_a_shared_blank_and_teacher_force_it():
+    """" 12" and " 7" both start with the blank " " under TOK: the targets are "1" and "7", after the
+    blank appended to the prompt; " yes" is one content token, so its prompt is unchanged."""
+    from linicl.evaluate import first_content_targets
+    prompts = [np.asarray([1, 2, 3], np.int32), np.asarray([4, 5], np.int32), np.asarray([6], np.int32)]
+    rows, ids = first_content_targets(TOK, prompts, ["12", "7", "yes"], label_prefix=" ")
+    assert [list(r) for r in rows] == [[1, 2, 3, ord(" ")], [4, 5, ord(" ")], [6]]
+    assert list(ids) == [ord("1"), ord("7"), 128 + ToyTokenizer.WORDS.index(" yes")]
+    first_tokens = {TOK.encode(" " + w)[0] for w in ("12", "7")}
+    assert first_tokens == {ord(" ")} and len(set(ids[:2])) == 2  # the first token would not tell them apart
+    with pytest.raises(LiniclError, match="2 prompts but 3"):
+        first_content_targets(TOK, prompts[:2], ["12", "7", "yes"])
