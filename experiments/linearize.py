@@ -275,12 +275,37 @@ def tables(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _icl_panel(ax, icl: dict):
+    """Accuracy pooled over every task's queries (equal n per task: the mean over tasks) against k,
+    with its 95 % Wilson interval."""
+    for m, style in (("softmax", "o-"), ("student", "s--"), ("student converted", "^:"),
+                     ("softmax + learned-kernel prompt", "x-.")):
+        counts = {}  # k -> [correct, n]
+        for cell in icl.values():
+            r = cell.get(m)  # "student converted" has no k = 0 cell: nothing to convert
+            if r:
+                c = counts.setdefault(r["k"], [0, 0])
+                c[0], c[1] = c[0] + int(sum(r["correct"])), c[1] + r["n"]
+        if not counts:
+            continue
+        ks = sorted(counts)
+        iv = [stats.wilson(*counts[k]) for k in ks]
+        ax.plot(ks, [counts[k][0] / counts[k][1] for k in ks], style, label=m)
+        ax.fill_between(ks, [i.low for i in iv], [i.high for i in iv], alpha=0.15)
+    tasks = {c["softmax"]["task"] for c in icl.values() if c.get("softmax")}
+    ax.set(xlabel="demonstrations k", ylabel="exact-match accuracy, pooled (95 % Wilson)",
+           title=f"ICL, {len(tasks)} word tasks")
+    ax.legend()
+
+
 def figure(plt, report):
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     hist = report["stage1"].get("history")
     if hist:
         ax[0].semilogy(hist["step"], np.asarray(hist["loss"]) / len(hist["layers"][0]))
         ax[0].set(xlabel="step", ylabel="relative attention-output MSE per layer", title="stage 1")
+    else:  # maps loaded, no training history: the ICL accuracies instead
+        _icl_panel(ax[0], report["icl"])
     ho = report["held_out"]
     for m in ("softmax", "student"):
         ax[1].plot(list(ho[m]["by_position"]), list(ho[m]["by_position"].values()), "o-", label=m)
