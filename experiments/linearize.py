@@ -37,6 +37,7 @@ from linicl.compiled import enable_persistent_cache
 import linicl
 from linicl import data, iclca, linearize, reporting, stats
 from linicl.evaluate import evaluate_prompts
+from linicl.metrics import rel_err
 from linicl.timing import time_call
 
 TRAIN_TASKS = ("sst2", "trec", "agnews", "cb", "antonym", "synonym", "present-past", "singular-plural",
@@ -229,8 +230,11 @@ def timing(student, sv, args) -> list:
         prompt = jax.random.randint(jax.random.PRNGKey(n), (1, n), 0, student.cfg.vocab_size, jnp.int32)
         converted = iclca.convert(student, sv, prompt)
         full = jnp.concatenate([prompt, query], axis=1)
+        # The conversion's float32 error on this pretrained student: max |converted - prompted| over
+        # the query logits / max |prompted| (linicl.metrics.rel_err, as linicl verify reports).
+        err = rel_err(fwd(converted, query), fwd(sv, full)[:, n:])
         rows.append(dict(prompt_len=n, prompted_s=time_call(fwd, sv, full, repeats=3),
-                         converted_s=time_call(fwd, converted, query, repeats=3),
+                         converted_s=time_call(fwd, converted, query, repeats=3), logits_rel_err=err,
                          state_floats=int(sum(x.size for x in jax.tree_util.tree_leaves(converted["prompt_state"]))),
                          kv_cache_floats=2 * n * student.cfg.n_layers * student.cfg.kv_heads * student.cfg.head_dim))
     return rows
@@ -269,9 +273,10 @@ def tables(report: dict) -> str:
         lines += [f"Shortest converted prompt: {shortest} tokens (student window "
                   f"{report['settings']['window']}, sinks {report['settings']['sinks']}).", ""]
     rows = [[r["prompt_len"], f"{r['prompted_s'] * 1e3:.1f}", f"{r['converted_s'] * 1e3:.1f}",
-             f"{r['prompted_s'] / r['converted_s']:.1f}x", r["state_floats"], r["kv_cache_floats"]] for r in report["timing"]]
+             f"{r['prompted_s'] / r['converted_s']:.1f}x", r["state_floats"], r["kv_cache_floats"],
+             f"{r['logits_rel_err']:.1e}" if "logits_rel_err" in r else "-"] for r in report["timing"]]
     lines += [reporting.markdown_table(["prompt", "prompted ms", "converted ms", "speed-up", "state floats",
-                                        "softmax KV floats"], rows)]
+                                        "softmax KV floats", "converted vs prompted logits, rel. err"], rows)]
     return "\n".join(lines)
 
 
