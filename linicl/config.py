@@ -21,8 +21,8 @@ from linicl._validate import is_concrete
 from linicl.errors import ConfigError
 from linicl.kernels.feature_maps import feature_dim
 from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, DTYPES, FEATURE_MAPS,  # noqa: F401
-                          FORMS, MLPS, NONNEGATIVE_MAPS, NORM_TYPES, NORMS, POSITIONS, ROPE_ON,
-                          ROPE_STYLES, SKIPS)
+                          FORMS, GATES, MLPS, NONNEGATIVE_MAPS, NORM_TYPES, NORMS, POSITIONS, ROPE_ON,
+                          ROPE_STYLES, SKIPS, UPDATES)
 
 
 # Field kinds. Every field of ModelConfig is in exactly one of these (n_kv_heads and decay are checked
@@ -37,7 +37,8 @@ _POSITIVE_FLOATS = ("rope_base", "ln_eps")
 _NONNEGATIVE_FLOATS = ("attn_eps",)
 _CHOICES = {"attention": ATTENTION_KINDS, "feature_map": ALL_FEATURE_MAPS, "rope_on": ROPE_ON,
             "positions": POSITIONS, "norm": NORMS, "norm_type": NORM_TYPES, "skip": SKIPS, "mlp": MLPS,
-            "rope_style": ROPE_STYLES, "activation": ACTIVATIONS, "form": FORMS, "dtype": DTYPES}
+            "rope_style": ROPE_STYLES, "activation": ACTIVATIONS, "form": FORMS, "dtype": DTYPES,
+            "gate": GATES, "update": UPDATES}
 
 
 def _scalar(value):
@@ -109,6 +110,19 @@ class ModelConfig:
       normalize: divide by phi(q).z (Katharopoulos); ``False`` is the unnormalised linear attention of
         the theory papers.
       decay: ``None``, one gamma for every head, or one per head (RetNet-style), each in (0, 1].
+      gate: linear attention's data-dependent decay (``linicl.kernels.gated_attention``): ``"none"``;
+        ``"scalar"``, one alpha_t per head and token (Mamba-2, Gated DeltaNet); ``"vector"``, one per
+        head, token and key feature (GLA), decaying the rows of S and z elementwise. alpha_t =
+        sigmoid(x_t W + b), computed in log space (log-sigmoid), so it stays in (0, 1]; the bias starts
+        near 1 (``linicl.nn.attention``). Not with ``decay`` (one decay mechanism at a time), a window
+        or sinks, or softmax attention; ``"vector"`` not with rope on the features (a per-feature
+        decay does not commute with rotating feature pairs, so the state could not be re-based).
+      update: how linear attention writes its state: ``"add"`` (S += phi(k) v^T, z += phi(k)) or
+        ``"delta"``, the delta rule S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+        (DeltaNet; with ``gate="scalar"`` Gated DeltaNet; ``linicl.kernels.delta_rule``) with beta_t =
+        sigmoid of a projection of x_t and phi(q), phi(k) L2-normalised per head. Its read-out is
+        phi(q)^T S and it has no z, so it needs ``normalize=False``; it takes no ``decay`` (use
+        ``gate="scalar"``), no ``"vector"`` gate, no window or sinks and no ``trainable_bias``.
       positions: ``"none"``, ``"learned"`` absolute embeddings, or ``"rope"``. In linear attention the
         rotation acts on the features phi(q), phi(k) of the numerator only; the normaliser uses the
         unrotated features, so it stays positive and the model depends on t - i only.
@@ -140,7 +154,8 @@ class ModelConfig:
       attn_bias, mlp_bias: biases of the attention and MLP projections; ``None`` = ``use_bias``.
       causal: causal attention. ``False`` (softmax only) serves the non-causal implicit-update
         theory; nothing that needs a state or a cache accepts it.
-      attn_eps: the epsilon inside a normalised linear attention's denominator (finite, >= 0). It is
+      attn_eps: the epsilon inside a normalised linear attention's denominator (finite, >= 0); with
+        ``update="delta"``, inside the L2 norm of the features, phi / sqrt(|phi|^2 + attn_eps). It is
         part of the model, identical in the prompted and the converted model.
       rope_base, ln_eps: finite floats > 0.
       form: linear-attention kernel form; ``"auto"`` picks parallel for short and chunked for long
@@ -186,6 +201,9 @@ class ModelConfig:
     chunk_size: int = 64
     trainable_bias: bool = False
     dtype: str = "float32"
+    # Last, so that positional arguments and every older config keep their meaning.
+    gate: str = "none"
+    update: str = "add"
 
     def __post_init__(self):
         self._check_fields()
@@ -194,6 +212,7 @@ class ModelConfig:
                               f"n_heads ({self.n_heads})")
         self._check_structure()
         self._check_decay()
+        self._check_recurrence()  # first: a delta-rule model with sinks hears "sinks=0", not "normalize=True"
         self._check_finite_state()
         if self.attention == "linear" and self.normalize and self.feature_map not in NONNEGATIVE_MAPS:
             raise ConfigError(
@@ -271,6 +290,47 @@ class ModelConfig:
             if getattr(self, f) and not self.normalize:
                 raise ConfigError(f"ModelConfig.{f} needs normalize=True: the exact and the linear "
                                   f"parts share one normaliser")
+
+    def _check_recurrence(self) -> None:
+        """The gated and delta-rule recurrences (``gate``, ``update``): refuse the combinations that
+        have no meaning, or whose conversion would not be exact."""
+        chosen = [f"{f}={getattr(self, f)!r}" for f, default in (("gate", "none"), ("update", "add"))
+                  if getattr(self, f) != default]
+        if not chosen:
+            return
+        what = " and ".join(chosen)
+        if self.attention != "linear":
+            raise ConfigError(f"ModelConfig.{what} applies to attention='linear' only (softmax "
+                              f"attention has no state to gate or to write by the delta rule); got "
+                              f"attention={self.attention!r}")
+        for f in ("window", "sinks"):
+            if getattr(self, f):
+                raise ConfigError(f"ModelConfig.{f}={getattr(self, f)} cannot be combined with "
+                                  f"ModelConfig.{what}: the hybrid softmax/linear layer has a fixed "
+                                  f"decay and an additive state only; use {f}=0")
+        if self.gate != "none" and self.decay is not None:
+            raise ConfigError(f"ModelConfig.decay={self.decay!r} and ModelConfig.gate={self.gate!r} are "
+                              f"two decay mechanisms; use one (a fixed decay is a constant scalar gate)")
+        if self.update == "delta":
+            if self.normalize:
+                raise ConfigError("ModelConfig.update='delta' needs normalize=False: the delta rule has "
+                                  "no normaliser z (its read-out phi(q)^T S is not divided); use "
+                                  "normalize=False")
+            if self.decay is not None:
+                raise ConfigError(f"ModelConfig.decay={self.decay!r} with update='delta': the delta rule "
+                                  f"decays through its gate; use gate='scalar' (Gated DeltaNet) instead")
+            if self.gate == "vector":
+                raise ConfigError("ModelConfig.gate='vector' with update='delta': the delta-rule kernel "
+                                  "takes one gate per head and token; use gate='scalar'")
+            if self.trainable_bias:
+                raise ConfigError("ModelConfig.trainable_bias with update='delta': the trainable bias is "
+                                  "additive linear attention's (S, z) pair (ICLCA Fig. 1) and the delta "
+                                  "rule has no z; use trainable_bias=False")
+        if self.gate == "vector" and self.positions == "rope" and self.rope_on == "features":
+            raise ConfigError("ModelConfig.gate='vector' with positions='rope', rope_on='features': a "
+                              "per-feature decay does not commute with rotating pairs of features, so "
+                              "the model is not relative and a stored state cannot be re-based; use "
+                              "rope_on='inputs' or gate='scalar'")
 
     def _check_decay(self) -> None:
         """None, one number or one per head (list, tuple or 1-d array), each in (0, 1]; stored as a
@@ -370,6 +430,10 @@ class ModelConfig:
             if self.decay is not None:
                 parts.append("decay=" + (f"{self.decay}" if not isinstance(self.decay, tuple)
                                          else "per-head"))
+            if self.gate != "none":
+                parts.append(f"gate={self.gate}")
+            if self.update != "add":
+                parts.append(f"update={self.update}")
         if self.kv_heads != self.n_heads:
             parts.append(f"kv{self.kv_heads}")
         parts += [f"pos={self.positions}" + (f"/{self.rope_style}" if self.positions == "rope" else "")

@@ -49,6 +49,9 @@ def _check(cfg: ModelConfig) -> None:
     if cfg.attention != "linear" or not cfg.normalize:
         raise LiniclError(f"normalisers: the model must be a normalised linear attention (attention='linear', "
                           f"normalize=True); it has attention={cfg.attention!r}, normalize={cfg.normalize}")
+    if cfg.gate != "none":  # the decays here are fixed per head; a gate's are computed from each token
+        raise LiniclError(f"normalisers: gate={cfg.gate!r} is not supported (the normaliser is rebuilt "
+                          f"with fixed decays only); use a model with gate='none'")
 
 
 def _decay(cfg: ModelConfig, T: int, dtype):

@@ -9,6 +9,11 @@ on absolute positions: learned positions, rope on the inputs, a window or sinks)
     converted = convert(model, variables, prompt)                       # prompt int32[batch or 1, n]
     model.apply(converted, query) == model.apply(variables, concat([prompt, query], 1))[:, n:]
 
+The same holds for the gated and delta-rule recurrences (``ModelConfig.gate``, ``update``): each
+token's gate alpha_t and write strength beta_t depend on that token alone, so the prompt still reaches
+later tokens only through its final state: (S, z) for a gated additive state, S alone for the delta
+rule, which has no z.
+
 Converting a converted model again with a second prompt equals converting the concatenated prompt,
 because the pass over the second prompt starts from the first prompt's state. Softmax models are
 refused: for them the prompt is not a finite state, and only an approximate conversion exists:
@@ -80,7 +85,8 @@ def convert(model, variables: Variables, prompt) -> dict:
     Returns:
       A new variables dict: ``variables`` with the ``"prompt_state"`` collection holding, per layer
       ``layers_l/attn``, ``S: [batch, heads, d_phi, d_head]`` and ``z: [batch, heads, d_phi]`` (with
-      a window or sinks also the buffers of ``kernels.hybrid_attention.HybridState``), and
+      a window or sinks also the buffers of ``kernels.hybrid_attention.HybridState``; with
+      ``update="delta"`` ``S`` alone), and
       ``"position"`` holding the query's first position ``offset`` (``ModelConfig.keeps_offset``:
       the prompt's end; 0 otherwise).
     Raises:
@@ -112,6 +118,10 @@ def to_trainable(model, converted: Variables):
             f"to_trainable cannot move a window/sinks state into params (window={cfg.window}, "
             f"sinks={cfg.sinks}): the window's and the sinks' keys and values are exact softmax "
             f"entries with positions, not a bias of the linear state; keep the converted variables")
+    if cfg.update == "delta":
+        raise LiniclError("to_trainable cannot move a delta-rule state into params: the trainable bias "
+                          "is additive linear attention's (S, z) (ModelConfig.trainable_bias is refused "
+                          "with update='delta'); keep the converted variables")
     terms = bias_terms(converted)
     if terms[0][0].shape[0] != 1:
         raise LiniclError(f"to_trainable needs a state converted from a batch-1 prompt, got batch "
@@ -157,16 +167,20 @@ def bias_terms(variables: Variables) -> list[tuple[jax.Array, jax.Array]]:
         raise LiniclError(
             "bias_terms returns (S, z) only, but this prompt state also holds window/sinks buffers "
             f"({sorted(layers[scopes[0]]['attn'])}); read variables['{PROMPT_STATE}'] directly")
+    if any("z" not in layers[s]["attn"] for s in scopes):
+        raise LiniclError(
+            "bias_terms returns (S, z), but this prompt state holds S only (a delta-rule model, "
+            f"ModelConfig.update='delta', has no z); read variables['{PROMPT_STATE}'] directly")
     return [(layers[s]["attn"]["S"], layers[s]["attn"]["z"]) for s in scopes]
 
 
 def state_floats(cfg: ModelConfig) -> int:
-    """Floats stored per prompt (batch 1), independent of the prompt length: L * H * (d_phi * d_v + d_phi),
-    plus, with a window or sinks, per buffered token its key, two feature vectors and value
-    ((window - 1) * (d + 2 d_phi + d_v)) and per sink its key and value (sinks * (d + d_v)). The
-    buffers' int32 positions are not counted."""
+    """Floats stored per prompt (batch 1), independent of the prompt length: L * H * (d_phi * d_v + d_phi)
+    (gated or not; the delta rule keeps no z: L * H * d_phi * d_v), plus, with a window or sinks, per
+    buffered token its key, two feature vectors and value ((window - 1) * (d + 2 d_phi + d_v)) and per
+    sink its key and value (sinks * (d + d_v)). The buffers' int32 positions are not counted."""
     F, d = cfg.feature_dim, cfg.head_dim
-    per_head = F * d + F
+    per_head = F * d + (0 if cfg.update == "delta" else F)
     if cfg.hybrid:
         per_head += max(cfg.window - 1, 0) * (d + 2 * F + d) + cfg.sinks * (d + d)
     return cfg.n_layers * cfg.n_heads * per_head

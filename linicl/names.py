@@ -10,7 +10,8 @@ collection          what it holds
 ==================  ================================================================================
 ``prompt_state``    the exact state a prompt left in each linear-attention layer, per layer
                     ``layers_l/attn/S: [batch or 1, heads, d_phi, d_head]`` and ``z: [.., heads,
-                    d_phi]`` (``iclca.convert``; re-based for rope on the features). A layer with a
+                    d_phi]`` (``iclca.convert``; re-based for rope on the features; a delta-rule
+                    layer, ``update="delta"``, keeps ``S`` alone). A layer with a
                     softmax window or sinks also keeps the fields of
                     ``linicl.kernels.hybrid_attention.HybridState`` (``win_*``, ``sink_*``: the
                     window's and the sinks' keys, features, values and positions). Read as every
@@ -56,6 +57,13 @@ MLPS = ("plain", "gated")
 ROPE_STYLES = ("interleaved", "half")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "tanh")
 FORMS = ("auto", "parallel", "chunked", "recurrent")
+# Linear attention's data-dependent decay alpha_t = sigmoid(x_t W + b) in (0, 1] (linicl.kernels.
+# gated_attention): none; one per head and token (Mamba-2, Gated DeltaNet); one per head, token and
+# key feature (GLA).
+GATES = ("none", "scalar", "vector")
+# How linear attention writes to its state: "add" S += phi(k) v^T (with z += phi(k)); "delta" the
+# delta rule S = (I - beta k k^T) S + beta k v^T (DeltaNet; linicl.kernels.delta_rule), no z.
+UPDATES = ("add", "delta")
 DTYPES = ("float32", "float64", "bfloat16")
 # Feature maps whose inner products phi(q).phi(k) are never negative (a normalised linear attention
 # then has a positive denominator, up to the model's own epsilon).

@@ -67,6 +67,13 @@ def zoo() -> dict[str, ModelConfig]:
                                          window=16, sinks=4, rope_style="half", n_kv_heads=2),
         "elu-window8-sinks2-decay": dict(window=8, sinks=2, decay=0.97, positions="learned",
                                          form="recurrent"),
+        # Data-dependent recurrences: a per-head gate (Mamba-2 style) with re-based rope and
+        # grouped-query heads, GLA's per-feature gate with rope on the inputs (a per-feature decay
+        # cannot be re-based), and Gated DeltaNet (delta rule + scalar gate, unnormalised) chunked.
+        "elu-scalar-gate-rope": dict(gate="scalar", positions="rope", n_kv_heads=2),
+        "gla-vector-rope-inputs": dict(gate="vector", positions="rope", rope_on="inputs"),
+        "gated-delta-rope-chunked": dict(update="delta", gate="scalar", normalize=False, positions="rope",
+                                         form="chunked", chunk_size=32),
         "softmax-learned": dict(attention="softmax", positions="learned"),
         "softmax-rope": dict(attention="softmax", positions="rope", norm="post"),
     }

@@ -17,7 +17,10 @@ because (W + ΔW_i) f = W g_i, after which the MLP sees what it saw with context
 gets q_i. This holds for every block form of the zoo (``plain`` = norm none / skip none, Dherin's skip,
 residual, pre-LN, post-LN, LayerNorm or RMSNorm) and for gated MLPs, whose two first matrices
 ``fc_in`` and ``fc_gate`` both read f and get one rank-1 update each (with the same right factor, so
-the stacked [W_in; W_gate] change is rank 1 too).
+the stacked [W_in; W_gate] change is rank 1 too). Only the MLP changes, so any mixer whose output
+for a token run alone is a function of that token qualifies: softmax and linear attention, and the
+gated and delta-rule recurrences (``ModelConfig.gate``, ``update``), whose gates and write strengths
+are computed from the token itself.
 
 References (``linicl.names.REFERENCES``, "who is run alone"):
 
@@ -50,7 +53,8 @@ Modules, one concept each:
 * ``model``: every block of a model from one forward pass (``updates``, ``implied_all``);
 * ``conversion``: a prompt as weights (``convert``) or as MLP edits (``convert_edits``);
 * ``gd``: Dherin's implicit gradient descent (``trajectory``, ``gradient``, ``subcontext``);
-* ``linear``: the closed-form context term of unnormalised linear attention (``context_term``).
+* ``linear``: the closed-form context term of unnormalised linear attention (``context_term``), gated
+  and delta-rule mixers included.
 """
 
 from linicl.implicit.blocks import Pieces, alone, block_sites, pieces

@@ -20,15 +20,27 @@ from linicl.errors import LiniclError
 from linicl.nn.block import Block
 
 
+# The attention's gate and write-strength projections (ModelConfig.gate, update): their outputs are
+# returned as "attn.<name>" next to the sites (``linear.context_term`` reads them).
+_GATE_PROJECTIONS = ("gate_proj", "beta_proj")
+
+
 def _block_call(cfg: ModelConfig, block_params, Z, positions, interventions=None) -> dict:
-    """Block on ``Z: f[batch, T, d]``: its output and every site it sows (one pass)."""
+    """Block on ``Z: f[batch, T, d]``: its output and every site it sows (one pass), plus the logits
+    ``attn.gate_proj`` / ``attn.beta_proj`` ``f[batch, T, heads(, d_phi)]`` of a gated or delta-rule
+    attention."""
     variables = {names.PARAMS: block_params}
     if interventions:
         variables[names.INTERVENTIONS] = interventions
-    out, state = Block(cfg).apply(variables, Z, positions, mutable=[names.INTERMEDIATES])
+    out, state = Block(cfg).apply(variables, Z, positions, mutable=[names.INTERMEDIATES],
+                                  capture_intermediates=lambda m, _: m.name in _GATE_PROJECTIONS)
     sown = state[names.INTERMEDIATES]
     sites = {site: sown[site][-1] for site in names.BLOCK_SITES}
     sites["hook_q"] = sown["attn"]["hook_q"][-1]
+    sites["hook_k"] = sown["attn"]["hook_k"][-1]
+    for name in _GATE_PROJECTIONS:
+        if name in sown["attn"]:
+            sites[f"attn.{name}"] = sown["attn"][name]["__call__"][-1]
     # The block's return value, not the sown one: that is what the next block (and the theorem) sees.
     sites["hook_resid_post"] = out
     return sites
@@ -42,8 +54,9 @@ def check_position(cfg: ModelConfig, position):
 
 def block_sites(cfg: ModelConfig, block_params, Z, positions=None, interventions=None) -> dict:
     """Sites of one block run on ``Z: f[..., T, d]`` (leading axes: tasks), each ``f[..., T, d]``
-    (``hook_q``: ``f[..., T, heads, d_head]``). ``positions``: ``int[T]`` in [0, max_len), default
-    0..T-1."""
+    (``hook_q``: ``f[..., T, heads, d_head]``, ``hook_k``: ``f[..., T, kv_heads, d_head]``; gated or
+    delta-rule attention: also ``attn.gate_proj``, ``attn.beta_proj``, see ``_block_call``).
+    ``positions``: ``int[T]`` in [0, max_len), default 0..T-1."""
     Z = jnp.asarray(Z)
     if Z.ndim < 2:
         raise LiniclError(f"Z must be f[..., T, d] (a sequence of block inputs), got shape {Z.shape}")

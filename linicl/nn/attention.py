@@ -9,10 +9,17 @@ Variable collections (their names and contents: ``linicl.names``):
   ``phi_k_b: [heads, m]`` (queries and keys have separate maps; with grouped-query heads the key map
   is per query head, applied after the keys are repeated), initialised to W = identity (tiled or
   folded when m != d_head: ``feature_maps.hedgehog_init_weight``), b = 0; with a window or sinks,
-  ``gate: [heads]`` (g_h = sigmoid(gate), initialised to 0: g_h = 1/2).
+  ``gate: [heads]`` (g_h = sigmoid(gate), initialised to 0: g_h = 1/2); with ``gate="scalar"`` or
+  ``"vector"``, ``gate_proj`` (DenseGeneral, kernel ``[d_model, heads]`` or ``[d_model, heads, d_phi]``,
+  always with a bias: ``gate_bias_init``), the log-decay log alpha_t = log_sigmoid(x_t W + b) of every
+  head (and key feature) and token; with ``update="delta"``, ``beta_proj`` (kernel
+  ``[d_model, heads]``, bias initialised to 0), the write strength beta_t = sigmoid(x_t W + b) in
+  (0, 1). Gates and write strengths are per query head (with grouped-query heads the state is kept
+  per query head, after the keys and values are repeated). x is the attention's input.
 * ``prompt_state`` (linear attention): ``S: [batch or 1, heads, d_phi, d_head]``, ``z: [batch or 1,
   heads, d_phi]``, the state a prompt left behind, read as the initial state (with a window or
-  sinks, every field of ``HybridState``). When the collection is mutable the final state is written
+  sinks, every field of ``HybridState``; with ``update="delta"`` only ``S``, the delta rule's
+  ``DeltaState``). When the collection is mutable the final state is written
   back (re-based for rope on the features when nothing depends on absolute positions): that is
   ``iclca.convert``.
 * ``decode``: the running state of a decode. Linear attention keeps its ``S``, ``z`` there (started
@@ -25,6 +32,13 @@ Sites (``linicl.nn.hooks``): ``hook_q``, ``hook_k``, ``hook_v`` (projections bef
 ``hook_z`` (per-head output before ``o``), all ``[batch, seq, heads, d_head]``; softmax attention also
 has ``hook_attn_scores`` (scaled logits before the causal mask) and ``hook_pattern``, both
 ``[batch, heads, q_seq, k_seq]``.
+
+The delta rule (``update="delta"``) reads and writes with L2-normalised features: phi(k) and phi(q)
+are divided by sqrt(|phi|^2 + attn_eps) per head and token (after phi, before rope on the features,
+which keeps norms). Keys must be: each write I - beta k k^T is then a contraction and the state stays
+bounded (``linicl.kernels.delta_rule``). Queries are too, as in DeltaNet and Gated DeltaNet: the
+read-out phi(q)^T S is then bounded by the state's norm, and a query equal to a key written with
+beta = 1 reads back exactly its value.
 """
 
 from __future__ import annotations
@@ -38,6 +52,8 @@ import jax.numpy as jnp
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
 from linicl.kernels import feature_maps, prompt_kernels
+from linicl.kernels.delta_rule import DeltaState, delta_rule
+from linicl.kernels.gated_attention import gated_attention
 from linicl.kernels.hybrid_attention import empty_state, hybrid_attention
 from linicl.kernels.linear_attention import LinearState, linear_attention
 from linicl.kernels.positions import apply_rope
@@ -63,6 +79,26 @@ def advancing(module: nn.Module, collection: str) -> bool:
     return module.is_mutable_collection(collection) and not module.is_initializing()
 
 
+def gate_bias_init(key, shape, dtype) -> jax.Array:
+    """The gate's initial bias, ``f[heads]`` or ``f[heads, d_phi]``: head h gets b_h = log(2^s_h - 1)
+    with s_h spread evenly over [3, 9] (6 for one head), the same for each of its features.
+
+    With x W small, alpha = sigmoid(b) = 1 - 2^-s: each head starts as a decayed linear attention that
+    remembers about 2^s tokens, from 8 to 512 (RetNet's per-head spread, 1 - 2^(-5-h)). A gate near
+    1/2, the zero bias, would erase the state within a few tokens: the untrained model could not see a
+    prompt, and the gradients that should teach it to remember would vanish with it."""
+    del key  # deterministic, as RetNet's decays
+    H = shape[0]
+    s = jnp.full((H,), 6.0) if H == 1 else jnp.linspace(3.0, 9.0, H)
+    b = jnp.log(jnp.exp2(s) - 1.0)
+    return jnp.broadcast_to(b.reshape((H,) + (1,) * (len(shape) - 1)), shape).astype(dtype)
+
+
+def l2_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(|x|^2 + eps) along the last axis: the delta rule's unit keys (and queries)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
 def _batched(a: jax.Array, batch: int, dtype) -> jax.Array:
     """A stored ``[batch or 1, ...]`` array broadcast to ``batch`` rows."""
     return jnp.broadcast_to(a, (batch,) + a.shape[1:]).astype(dtype)
@@ -82,20 +118,22 @@ class Attention(nn.Module):
         q, k, v = (jnp.swapaxes(site(self, f"hook_{n}", dense(sizes[n], name=n)(x), head_axis=2), 1, 2)
                    for n in ("q", "k", "v"))
         if cfg.attention == "linear":
-            o = self._linear(q, repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads), positions)
+            o = self._linear(x, q, repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads), positions)
         else:
             o = self._softmax(q, k, v, positions)
         z = site(self, "hook_z", jnp.swapaxes(o, 1, 2), head_axis=2)
         return dense(cfg.d_model, axis=(-2, -1), name="o")(z)
 
     # ------------------------------------------------------------------ linear attention
-    def _linear(self, q, k, v, positions):
+    def _linear(self, x, q, k, v, positions):
         cfg = self.cfg
         rotate = functools.partial(apply_rope, positions=positions, base=cfg.rope_base, style=cfg.rope_style)
         rope = cfg.positions == "rope"
         if rope and cfg.rope_on == "inputs":  # LoLCATs: phi of the rotated q, k (absolute positions)
             q, k = rotate(q), rotate(k)
         fq, fk = self._features(q, k)
+        if cfg.update == "delta":  # unit features: see the module docstring
+            fq, fk = l2_normalize(fq, cfg.attn_eps), l2_normalize(fk, cfg.attn_eps)
         q_den = k_den = None
         if rope and cfg.rope_on == "features":
             # Rotate the numerator features only; the normaliser keeps the unrotated (positive) ones.
@@ -106,11 +144,40 @@ class Attention(nn.Module):
             q_exact, k_exact = (rotate(q), rotate(k)) if rope and cfg.rope_on == "features" else (q, k)
             return self._hybrid(q_exact, k_exact, fq, fk, v, positions, q_den, k_den)
         state, bias = self._initial_state(q.shape[0])
-        o, final = linear_attention(fq, fk, v, state, q_den=q_den, k_den=k_den,
-                                    log_gamma=self._log_gamma(), normalize=cfg.normalize,
-                                    eps=cfg.attn_eps, form=cfg.form, chunk_size=cfg.chunk_size)
+        log_alpha = self._log_alpha(x)
+        if cfg.update == "delta":  # no normaliser: q_den, k_den are not read
+            o, final = delta_rule(fq, fk, v, state, beta=self._beta(x), log_alpha=log_alpha,
+                                  form=cfg.form, chunk_size=cfg.chunk_size)
+        elif log_alpha is not None:
+            o, final = gated_attention(fq, fk, v, state, log_alpha=log_alpha, q_den=q_den, k_den=k_den,
+                                       normalize=cfg.normalize, eps=cfg.attn_eps, form=cfg.form,
+                                       chunk_size=cfg.chunk_size)
+        else:
+            o, final = linear_attention(fq, fk, v, state, q_den=q_den, k_den=k_den,
+                                        log_gamma=self._log_gamma(), normalize=cfg.normalize,
+                                        eps=cfg.attn_eps, form=cfg.form, chunk_size=cfg.chunk_size)
         self._store_all(final, bias, q.shape[2])
         return o
+
+    def _log_alpha(self, x):
+        """log alpha_t = log_sigmoid(x_t W + b) <= 0: ``f[batch, heads, seq]`` (scalar gate) or
+        ``f[batch, heads, seq, d_phi]`` (vector gate); None without a gate. Log space keeps a strong
+        gate exact: alpha = e^-50 is an exponent, never a product of tiny numbers."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        if cfg.gate == "none":
+            return None
+        shape = (cfg.n_heads,) if cfg.gate == "scalar" else (cfg.n_heads, cfg.feature_dim)
+        logits = nn.DenseGeneral(shape, use_bias=True, bias_init=gate_bias_init, dtype=dt, param_dtype=dt,
+                                 name="gate_proj")(x)                  # [batch, seq, heads(, d_phi)]
+        return jnp.moveaxis(jax.nn.log_sigmoid(logits), 1, 2)
+
+    def _beta(self, x):
+        """beta_t = sigmoid(x_t W + b) in (0, 1), ``f[batch, heads, seq]``: the delta rule's write
+        strength (its learning rate; bias 0, so beta starts near 1/2)."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        logits = nn.DenseGeneral((cfg.n_heads,), use_bias=True, dtype=dt, param_dtype=dt,
+                                 name="beta_proj")(x)
+        return jnp.swapaxes(jax.nn.sigmoid(logits), 1, 2)
 
     def _hybrid(self, q, k, fq, fk, v, positions, q_den, k_den):
         cfg = self.cfg
@@ -146,11 +213,14 @@ class Attention(nn.Module):
         return jnp.log(jnp.asarray(gammas, self.cfg.jnp_dtype))
 
     def _empty_state(self, batch: int):
-        """The zero state of this layer, ``LinearState`` or (window/sinks) ``HybridState``."""
+        """The zero state of this layer: ``LinearState``, (window/sinks) ``HybridState`` or (the delta
+        rule) ``DeltaState``."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         F, H, dv = cfg.feature_dim, cfg.n_heads, cfg.head_dim
         if cfg.hybrid:
             return empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, dt)
+        if cfg.update == "delta":
+            return DeltaState(jnp.zeros((batch, H, F, dv), dt))
         return LinearState(jnp.zeros((batch, H, F, dv), dt), jnp.zeros((batch, H, F), dt))
 
     def _initial_state(self, batch: int):
@@ -168,18 +238,33 @@ class Attention(nn.Module):
         stored = DECODE if self.has_variable(DECODE, "S") else PROMPT_STATE
         fields = dict(empty._asdict())
         if self.has_variable(stored, "S"):
+            self._check_stored_names(stored)
             for name, zero in empty._asdict().items():
                 fields[name] = self._read_stored(stored, name, zero, batch)
-            fields["S"], fields["z"] = fields["S"] + empty.S, fields["z"] + empty.z
+            for name in ("S", "z"):  # the (zero or bias) initial state; the delta rule has no z
+                if name in fields:
+                    fields[name] = fields[name] + getattr(empty, name)
         return type(empty)(**{n: a if n.endswith("_pos") else jnp.broadcast_to(a, (batch,) + a.shape[1:])
                               for n, a in fields.items()}), bias
+
+    def _model_state(self) -> str:
+        cfg = self.cfg
+        return (f"(window={cfg.window}, sinks={cfg.sinks}, update={cfg.update!r}) keeps "
+                f"{list(self._empty_state(1)._fields)}")
+
+    def _check_stored_names(self, stored: str) -> None:
+        """A stored state with fields this model does not keep came from another model (e.g. an
+        additive model's z in a delta-rule model): refused, never silently dropped."""
+        extra = sorted(set(self.variables.get(stored, {})) - set(self._empty_state(1)._fields))
+        if extra:
+            raise LiniclError(f"variables['{stored}'] of {self.path_str()} holds {extra}, but this "
+                              f"model {self._model_state()}; it was stored by a different model")
 
     def _read_stored(self, stored: str, name: str, zero, batch: int):
         """One stored field, checked against this model's shapes."""
         if not self.has_variable(stored, name):
             raise LiniclError(f"variables['{stored}'] of {self.path_str()} has no {name!r}; this model "
-                              f"(window={self.cfg.window}, sinks={self.cfg.sinks}) keeps "
-                              f"{list(self._empty_state(1)._fields)}")
+                              f"{self._model_state()}")
         a = self.get_variable(stored, name)
         if name.endswith("_pos"):
             ok = a.shape == zero.shape
@@ -201,12 +286,15 @@ class Attention(nn.Module):
                 self._store(collection, final, bias, n_tokens)
 
     def _store(self, collection: str, final, bias, n_tokens: int):
-        S, z = final.S, final.z
+        fields = final._asdict()
         if self.cfg.rebases_state:
-            S = rebase_state(S, n_tokens, self.cfg.rope_base, self.cfg.rope_style)
+            # Rows of S only: z holds the unrotated features (the delta rule rotates its unit keys,
+            # and R(-n) (I - b k k^T) R(n) = I - b (R(-n) k)(R(-n) k)^T keeps it exact).
+            fields["S"] = rebase_state(fields["S"], n_tokens, self.cfg.rope_base, self.cfg.rope_style)
         if bias is not None:  # the bias is added again on every call: store only the rest
-            S, z = S - bias.S, z - bias.z
-        for name, a in final._replace(S=S, z=z)._asdict().items():
+            for name, b in bias._asdict().items():
+                fields[name] = fields[name] - b
+        for name, a in fields.items():
             self.put_variable(collection, name, a)
 
     def path_str(self) -> str:

@@ -30,7 +30,7 @@ BAD = [
     *[(f, v) for f in ("rope_base", "ln_eps") for v in (0, 0.0, -1.0, NAN, INF, "1e4", True, None, [1.0])],
     *[("attn_eps", v) for v in (-1e-6, NAN, INF, -INF, "1e-6", True, None, np.bool_(False))],
     *[(f, v) for f in ("attention", "feature_map", "positions", "norm", "norm_type", "skip", "mlp",
-                       "rope_style", "rope_on", "activation", "form", "dtype")
+                       "rope_style", "rope_on", "activation", "form", "dtype", "gate", "update")
       for v in ("nope", None, 1, ["linear"], np.array([1, 2]))],
     ("decay", "1111"), ("decay", "0.9"), ("decay", True), ("decay", np.bool_(True)), ("decay", NAN),
     ("decay", INF), ("decay", 1.5), ("decay", 0), ("decay", -0.5), ("decay", [0.9] * 3),

@@ -123,3 +123,6 @@ def test_from_captured_activations_and_errors():
         other = linicl.preset(preset)
         with pytest.raises(LiniclError, match="normalised linear attention"):
             diagnostics.normalisers(linicl.Transformer(other), {}, query)
+    gated = linicl.preset("tiny-linear", gate="scalar")
+    with pytest.raises(LiniclError, match="gate='scalar'"):
+        diagnostics.normalisers(linicl.Transformer(gated), {}, query)
