@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from linicl import compiled
 from linicl.config import ModelConfig
 from linicl.data.prompts import PromptBatch
 from linicl.errors import LiniclError, SequenceTooLongError
@@ -67,9 +68,7 @@ def bucket_length(n: int, bucket="geometric", max_len: Optional[int] = None) -> 
     if isinstance(bucket, str):
         if bucket != "geometric":
             raise LiniclError(f"bucket must be 'geometric' or an int >= 1, got {bucket!r}")
-        size = 16
-        while size < n:
-            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+        size = compiled.geometric_bucket(n)
     elif isinstance(bucket, bool) or not isinstance(bucket, (int, np.integer)) or bucket < 1:
         raise LiniclError(f"bucket must be 'geometric' or an int >= 1, got {bucket!r}")
     else:

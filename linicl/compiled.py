@@ -100,6 +100,16 @@ def clear() -> None:
     CACHE.clear()
 
 
+def geometric_bucket(n: int) -> int:
+    """The smallest of 16, 24, 32, 48, 64, 96, ... (16 * 2^i and 24 * 2^i) that holds ``n`` tokens: a
+    padded length with at most 50 % padding and two shapes per doubling of the length, so a function
+    called at many lengths compiles a handful of times (``batching.bucket_length``, ``generate``)."""
+    size = 16
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
 def persistent_cache_dir(directory=None) -> Optional[Path]:
     """Where ``enable_persistent_cache(directory)`` keeps executables: ``directory``, else
     ``$LINICL_COMPILATION_CACHE``, else ``~/.cache/linicl/jax`` (``$XDG_CACHE_HOME/linicl/jax``). None

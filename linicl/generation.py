@@ -94,18 +94,9 @@ def _forget_padding(state, n_pad):
     return jax.tree_util.tree_map_with_path(rewind, state)
 
 
-def _bucket(n: int) -> int:
-    """The smallest of 16, 24, 32, 48, 64, 96, ... (16 * 2^i and 24 * 2^i) that holds ``n``: at most
-    50 % padding, two compiled prefills per doubling of the prompt length (as
-    ``linicl.batching.bucket_length``, a layer above)."""
-    size = 16
-    while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return size
-
-
 def _padded_length(cfg, variables, n: int) -> int:
-    """The prefill length of an ``n``-token prompt: its bucket where right padding is exact, else ``n``.
+    """The prefill length of an ``n``-token prompt: its bucket (``compiled.geometric_bucket``) where
+    right padding is exact, else ``n``.
 
     Exact: causal softmax attention, whose decode cache keeps every key with its position (the padding
     is hidden by the causal mask and overwritten), with nothing in ``variables`` that depends on the
@@ -118,7 +109,7 @@ def _padded_length(cfg, variables, n: int) -> int:
         return n
     if cfg.positions == "learned" and POSITION in variables:
         return n
-    return max(n, min(_bucket(n), cfg.max_len))
+    return max(n, min(compiled.geometric_bucket(n), cfg.max_len))
 
 
 def _check_finite(out) -> None:
