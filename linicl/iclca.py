@@ -90,7 +90,8 @@ def convert(model, variables: Variables, prompt) -> dict:
       ``"position"`` holding the query's first position ``offset`` (``ModelConfig.keeps_offset``:
       the prompt's end; 0 otherwise).
     Raises:
-      NotExactError: softmax model. LiniclError: bad prompt or variables.
+      NotExactError: softmax model. LiniclError: bad prompt or variables, or a non-finite prompt state
+        (checked when the state is concrete; the message names the layers and the cause).
       SequenceTooLongError: learned positions and offset + n > max_len (checked when the offset is
         known; under ``jax.jit``, where variables may be traced, the positions past max_len give NaN).
     """
@@ -100,7 +101,38 @@ def convert(model, variables: Variables, prompt) -> dict:
     if cfg.positions == "learned":
         check_fits("prompt", position_offset(variables), prompt.shape[1], cfg.max_len, "learned positions")
     state = _absorb_fn(model)(dict(variables), prompt)
+    _check_finite_state(state[PROMPT_STATE], variables)
     return {**variables, **state}
+
+
+def _nonfinite_leaves(tree) -> list[str]:
+    """Paths of the concrete leaves of ``tree`` holding NaN or inf (traced leaves are skipped)."""
+    leaves = [(jax.tree_util.keystr(path), x) for path, x in jax.tree_util.tree_leaves_with_path(tree)
+              if is_concrete(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return []
+    finite = np.asarray(jnp.stack([jnp.all(jnp.isfinite(x)) for _, x in leaves]))  # one device sync
+    return [name for (name, _), ok in zip(leaves, finite) if not ok]
+
+
+def _check_finite_state(prompt_state, variables) -> None:
+    """Refuse to return a NaN/inf prompt state: every later query would be NaN, far from the cause.
+
+    Under ``jax.jit`` (traced state) the check is skipped and a NaN state shows as NaN outputs."""
+    bad = _nonfinite_leaves(prompt_state)
+    if not bad:
+        return
+    bad_params = _nonfinite_leaves(variables.get("params", {}))
+    if bad_params:
+        cause = f"variables['params'] hold NaN or inf at {', '.join(bad_params[:4])}"
+    else:
+        # Seen with jaxlib 0.10 on CPU: a float64 YNNPACK reduce fusion returned an all-NaN tensor for
+        # about 1 in 5 fresh compilations of a batch-256 prompt (README, known issues).
+        cause = ("the parameters and prompt are finite, so the compiled program misbehaved; on CPU this is a "
+                 "known XLA bug, avoided with XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_dot "
+                 "set before jax is imported (README, known issues)")
+    raise LiniclError(f"convert: the prompt state is not finite at {', '.join(bad[:4])}"
+                      f"{' ...' if len(bad) > 4 else ''}: {cause}")
 
 
 def to_trainable(model, converted: Variables):

@@ -196,3 +196,31 @@ def test_to_trainable_moves_the_state_into_params_exactly(name):
     assert np.any(grads["layers_0"]["attn"]["S_bias"])
     with pytest.raises(linicl.LiniclError, match="batch-1 prompt"):
         iclca.to_trainable(model, iclca.convert(model, variables, tokens(0, 2, 3, cfg.vocab_size)))
+
+
+def test_convert_refuses_nan_parameters_and_names_them():
+    cfg = linicl.preset("tiny-linear-rope-decay", dtype="float64")
+    model, variables = init(cfg)
+    params = jax.tree_util.tree_map(lambda x: x, variables["params"])
+    params["layers_0"]["attn"]["q"]["kernel"] = params["layers_0"]["attn"]["q"]["kernel"].at[0, 0].set(jnp.nan)
+    prompt = tokens(0, 1, 5, cfg.vocab_size)
+    with pytest.raises(linicl.LiniclError, match=r"not finite at \['layers_1'\].*params'\] hold NaN or inf at \['layers_0'\]\['attn'\]\['q'\]\['kernel'\]"):
+        iclca.convert(model, {**variables, "params": params}, prompt)
+    assert np.all(np.isfinite(jax.tree_util.tree_leaves(iclca.convert(model, variables, prompt))[0]))
+
+
+def test_convert_reports_a_misbehaving_compiled_program(monkeypatch):
+    """A NaN state from finite parameters (the XLA CPU bug in the README's known issues) is refused with
+    the workaround, not returned to poison every later query."""
+    cfg = linicl.preset("tiny-linear-rope-decay", dtype="float64")
+    model, variables = init(cfg)
+    absorb = iclca._absorb_fn(model)
+
+    def broken(model_):
+        def run(v, p):
+            state = absorb(v, p)
+            return {**state, "prompt_state": jax.tree_util.tree_map(lambda x: x * jnp.nan, state["prompt_state"])}
+        return run
+    monkeypatch.setattr(iclca, "_absorb_fn", broken)
+    with pytest.raises(linicl.LiniclError, match="XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type"):
+        iclca.convert(model, variables, tokens(0, 1, 5, cfg.vocab_size))
