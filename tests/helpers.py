@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import subprocess
+import sys
 import zlib
 
 import jax
@@ -210,3 +212,19 @@ def perturb_learned_maps(variables, seed: int, scale: float = 0.5):
             return x + scale * jax.random.normal(sub, x.shape, x.dtype)
         return x
     return {**variables, "params": jax.tree_util.tree_map_with_path(perturb, variables["params"])}
+
+
+def run_script(script, *args) -> str:
+    """Run an experiment script from the repository root; assert it succeeds; return its stdout."""
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def json_numbers(tree) -> list:
+    """Every number in a JSON tree (booleans excluded)."""
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in json_numbers(v)]
+    if isinstance(tree, list):
+        return [x for v in tree for x in json_numbers(v)]
+    return [tree] if isinstance(tree, (int, float)) and not isinstance(tree, bool) else []

@@ -13,6 +13,9 @@ trained to predict ``targets`` at every position; ``mask`` marks the positions t
 * ``recall_batch``: associative recall. ``n_pairs`` key-value pairs ``k_1 v_1 ... k_n v_n`` then a
   query key ``q = k_j``; the answer is ``v_j``. Keys are distinct tokens of ``[0, vocab_size // 2)``,
   values uniform tokens of ``[vocab_size // 2, vocab_size)``, so the answer is unique.
+* ``mqar_batch``: multi-query associative recall (Zoology's MQAR, Arora et al. arXiv 2312.04927).
+  ``n_pairs`` key-value pairs, then ``n_queries`` of their keys, each followed by its value (the
+  model predicts the value at every query key). Keys and values as in ``recall_batch``.
 
 Sizes are static Python ints: validate them eagerly (``LiniclError`` naming the argument), then trace.
 Under ``jax.jit`` pass them as static arguments (``functools.partial`` or ``static_argnames``); under
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 
 from linicl.errors import LiniclError
 
-__all__ = ["TokenBatch", "induction_batch", "recall_batch", "induction_mask"]
+__all__ = ["TokenBatch", "induction_batch", "recall_batch", "mqar_batch", "induction_mask"]
 
 
 class TokenBatch(NamedTuple):
@@ -97,10 +100,7 @@ def induction_batch(key: jax.Array, batch: int, seq_len: int, vocab_size: int,
 def _induction(key, batch: int, seq_len: int, vocab_size: int, distinct: bool) -> TokenBatch:
     half = seq_len // 2
     if distinct:
-        # A uniformly random ordering of the vocabulary per row; its first `half` entries are a
-        # uniform draw without replacement.
-        order = jnp.argsort(jax.random.uniform(key, (batch, vocab_size)), axis=-1)
-        first = order[:, :half].astype(jnp.int32)
+        first = _first_of_permutation(key, batch, vocab_size, half)
     else:
         first = jax.random.randint(key, (batch, half), 0, vocab_size, dtype=jnp.int32)
     seq = jnp.concatenate([first, first], axis=1)
@@ -125,20 +125,25 @@ def recall_batch(key: jax.Array, batch: int, n_pairs: int, vocab_size: int) -> T
     Raises:
       LiniclError: a size that is not a Python int or too small, or ``n_pairs > vocab_size // 2``.
     """
+    _check_pairs(batch, n_pairs, vocab_size)
+    return _recall(key, batch, n_pairs, vocab_size)
+
+
+def _check_pairs(batch, n_pairs, vocab_size) -> None:
+    """The sizes shared by the recall tasks: distinct keys from [0, vocab_size // 2)."""
     _size("batch", batch, 1)
     _size("n_pairs", n_pairs, 1)
     _size("vocab_size", vocab_size, 4)
     if n_pairs > vocab_size // 2:
         raise LiniclError(f"n_pairs = {n_pairs} distinct keys do not fit in the key vocabulary "
                           f"[0, vocab_size // 2 = {vocab_size // 2})")
-    return _recall(key, batch, n_pairs, vocab_size)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _recall(key, batch: int, n_pairs: int, vocab_size: int) -> TokenBatch:
     n_keys = vocab_size // 2
     k_key, k_val, k_query = jax.random.split(key, 3)
-    keys = jnp.argsort(jax.random.uniform(k_key, (batch, n_keys)), axis=-1)[:, :n_pairs].astype(jnp.int32)
+    keys = _first_of_permutation(k_key, batch, n_keys, n_pairs)
     values = jax.random.randint(k_val, (batch, n_pairs), n_keys, vocab_size, dtype=jnp.int32)
     j = jax.random.randint(k_query, (batch,), 0, n_pairs)
     query = jnp.take_along_axis(keys, j[:, None], axis=1)
@@ -149,3 +154,77 @@ def _recall(key, batch: int, n_pairs: int, vocab_size: int) -> TokenBatch:
     L = 2 * n_pairs + 1
     mask = jnp.broadcast_to(jnp.arange(L) == L - 1, (batch, L))
     return TokenBatch(inputs, targets, mask)
+
+
+def mqar_batch(key: jax.Array, batch: int, n_pairs: int, n_queries: int, vocab_size: int,
+               seq_len=None) -> TokenBatch:
+    """Multi-query associative recall (MQAR; Zoology, Arora et al. arXiv 2312.04927).
+
+    The full sequence is ``k_1 v_1 ... k_n v_n`` (the prompt: ``2 * n_pairs`` tokens, distinct keys)
+    followed by a query region in which ``n_queries`` different keys of the pairs, in random order,
+    each appear once followed by their value: ``q_1 a_1 q_2 a_2 ...``; the model must predict
+    ``a_j`` when it reads ``q_j``. ``inputs = seq[:-1]``, ``targets = seq[1:]``, ``mask`` True at the
+    query keys.
+
+    Layout (where this departs from Zoology): the value follows its query in the input, so the data
+    is plain next-token data and every query is answered from the pairs, never from an earlier query
+    (queries are distinct keys). With ``seq_len=None`` the queries come right after the pairs, ``L =
+    2 * n_pairs + 2 * n_queries - 1``. With ``seq_len`` the region is padded to that input length:
+    it is cut into two-token slots, the queries take ``n_queries`` uniformly random slots (in slot
+    order) and every other token is a filler drawn from the *value* half of the vocabulary. Zoology
+    instead spaces the queries by power-law gaps and fills with any token; a filler key would write a
+    conflicting pair into a recurrent state, which our filler never does. With ``seq_len = 2 *
+    n_pairs + 2 * n_queries - 1`` both layouts give the same batch for the same key.
+
+    Args:
+      key: a PRNG key.
+      batch: number of sequences, >= 1.
+      n_pairs: key-value pairs, >= 1 and <= vocab_size // 2 (keys are distinct).
+      n_queries: queried keys per sequence, >= 1 and <= n_pairs (each pair is queried at most once).
+      vocab_size: keys come from ``[0, vocab_size // 2)``, values (and fillers) from ``[vocab_size //
+        2, vocab_size)``; >= 4.
+      seq_len: None (compact), or the input length L >= 2 * n_pairs + 2 * n_queries - 1.
+    Returns:
+      ``TokenBatch`` with ``inputs``, ``targets``: ``int32[batch, L]`` and ``mask``: ``bool[batch,
+      L]``, exactly ``n_queries`` True per row, all at positions >= 2 * n_pairs. The prompt is
+      ``inputs[:, :2 * n_pairs]``; what follows it is ``inputs[:, 2 * n_pairs:]``.
+    Raises:
+      LiniclError: a size that is not a Python int or too small, ``n_pairs > vocab_size // 2``,
+        ``n_queries > n_pairs``, or a ``seq_len`` too short for the pairs and the queries.
+    """
+    _check_pairs(batch, n_pairs, vocab_size)
+    _size("n_queries", n_queries, 1)
+    if n_queries > n_pairs:
+        raise LiniclError(f"n_queries = {n_queries} must be <= n_pairs = {n_pairs}: each pair is "
+                          f"queried at most once")
+    shortest = 2 * n_pairs + 2 * n_queries - 1
+    seq_len = shortest if seq_len is None else _size("seq_len", seq_len, shortest)
+    return _mqar(key, batch, n_pairs, n_queries, vocab_size, seq_len)
+
+
+def _first_of_permutation(key, batch: int, n: int, k: int) -> jax.Array:
+    """``int32[batch, k]``: the first k entries of a uniformly random permutation of range(n) per row
+    (k distinct indices, in random order)."""
+    return jnp.argsort(jax.random.uniform(key, (batch, n)), axis=-1)[:, :k].astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _mqar(key, batch: int, n_pairs: int, n_queries: int, vocab_size: int, seq_len: int) -> TokenBatch:
+    n_keys = vocab_size // 2
+    k_key, k_val, k_query, k_slot, k_fill = jax.random.split(key, 5)
+    keys = _first_of_permutation(k_key, batch, n_keys, n_pairs)
+    values = jax.random.randint(k_val, (batch, n_pairs), n_keys, vocab_size, dtype=jnp.int32)
+    which = _first_of_permutation(k_query, batch, n_pairs, n_queries)      # the queried pairs
+    queries = jnp.take_along_axis(keys, which, axis=1)
+    answers = jnp.take_along_axis(values, which, axis=1)
+    region = seq_len + 1 - 2 * n_pairs                    # tokens after the pairs, incl. the last target
+    # Sorted slots: with as many slots as queries they are 0, 1, ..., the compact layout.
+    slots = jnp.sort(_first_of_permutation(k_slot, batch, region // 2, n_queries), axis=-1)
+    rows = jnp.arange(batch)[:, None]
+    tail = jax.random.randint(k_fill, (batch, region), n_keys, vocab_size, dtype=jnp.int32)
+    tail = tail.at[rows, 2 * slots].set(queries).at[rows, 2 * slots + 1].set(answers)
+    is_query = jnp.zeros((batch, region), bool).at[rows, 2 * slots].set(True)
+    pairs = jnp.stack([keys, values], axis=-1).reshape(batch, 2 * n_pairs)
+    seq = jnp.concatenate([pairs, tail], axis=1)         # [batch, seq_len + 1]
+    mask = jnp.concatenate([jnp.zeros((batch, 2 * n_pairs), bool), is_query], axis=1)[:, :-1]
+    return TokenBatch(seq[:, :-1], seq[:, 1:], mask)

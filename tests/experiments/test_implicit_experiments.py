@@ -2,34 +2,18 @@
 
 import json
 import math
-import subprocess
-import sys
-from helpers import REPO
+
+from helpers import REPO, json_numbers, run_script as run
 
 ROOT = REPO
 SCRIPTS = ROOT / "experiments"
-
-
-def run(script, *args):
-    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
-def numbers(tree):
-    """Every number in a JSON tree (booleans excluded)."""
-    if isinstance(tree, dict):
-        return [x for v in tree.values() for x in numbers(v)]
-    if isinstance(tree, list):
-        return [x for v in tree for x in numbers(v)]
-    return [tree] if isinstance(tree, (int, float)) and not isinstance(tree, bool) else []
 
 
 def test_innocenti_achour_quick(tmp_path):
     assert "--ln" in run(SCRIPTS / "implicit_regression.py", "--help")
     run(SCRIPTS / "implicit_regression.py", "--quick", "--no-progress", "--out", str(tmp_path))
     report = json.loads((tmp_path / "implicit_regression_none_float32.json").read_text())
-    values = numbers(report)
+    values = json_numbers(report)
     assert len(values) > 1000 and all(math.isfinite(x) for x in values)
     for row in report["msd_steps"].values():
         assert max(row["msd"]) <= 1e-10                       # float32 rounding, not a modelling error
@@ -46,7 +30,7 @@ def test_dherin_quick(tmp_path):
     assert "--ft-steps" in run(SCRIPTS / "implicit_dherin.py", "--help")
     run(SCRIPTS / "implicit_dherin.py", "--quick", "--no-progress", "--out", str(tmp_path))
     report = json.loads((tmp_path / "implicit_dherin_float32.json").read_text())
-    assert all(math.isfinite(x) for x in numbers(report))
+    assert all(math.isfinite(x) for x in json_numbers(report))
     n = report["config"]["n_context"]
     assert len(report["loss_with_context"]) == n + 1 and len(report["step_norm_median"]) == n
     assert report["max_abs_pred_diff"] <= 1e-4 * max(1.0, report["pred_scale"])
@@ -61,5 +45,5 @@ def test_benchmark_quick(tmp_path):
         "--out", str(tmp_path))
     report = json.loads((tmp_path / "implicit_speed.json").read_text())
     assert [r["model"] for r in report["operators"]] == ["fig1-no-ln"]
-    assert all(math.isfinite(x) and x > 0 for r in report["operators"] for x in numbers(r))
+    assert all(math.isfinite(x) and x > 0 for r in report["operators"] for x in json_numbers(r))
     assert (tmp_path / "implicit_speed.png").stat().st_size > 0
