@@ -68,13 +68,13 @@ def _check_variables(variables) -> None:
 def _absorb_fn(model):
     """jit(variables, prompt) -> the prompt_state and position collections after the prompt. Logits
     are never returned, so XLA drops the final norm and the unembedding."""
-    def absorb(variables, prompt):
-        _, state = model.apply(variables, prompt, mutable=[PROMPT_STATE, POSITION])
+    def absorb(variables, prompt=None, embeds=None):
+        _, state = model.apply(variables, prompt, embeds=embeds, mutable=[PROMPT_STATE, POSITION])
         return state
     return compiled.get(("iclca.absorb", model), lambda: jax.jit(absorb))
 
 
-def convert(model, variables: Variables, prompt) -> dict:
+def convert(model, variables: Variables, prompt=None, *, embeds=None) -> dict:
     """Store ``prompt`` in the model's attention states: the exact ICLCA conversion.
 
     Args:
@@ -82,6 +82,9 @@ def convert(model, variables: Variables, prompt) -> dict:
       variables: its variables (``model.init``), possibly already converted: the new prompt then
         follows the earlier one.
       prompt: ``int32[batch, n]``. A batch-1 prompt serves queries of any batch size.
+      embeds: instead of ``prompt``, a prompt of continuous tokens ``f[batch, n, d_model]`` (the first
+        block's input, as ``Transformer(embeds=...)``; e.g. in-context regression). The converted
+        model then serves queries given as tokens or as embeds.
     Returns:
       A new variables dict: ``variables`` with the ``"prompt_state"`` collection holding, per layer
       ``layers_l/attn``, ``S: [batch, heads, d_phi, d_head]`` and ``z: [batch, heads, d_phi]`` (with
@@ -97,12 +100,29 @@ def convert(model, variables: Variables, prompt) -> dict:
     """
     cfg = require_exact(model)
     _check_variables(variables)
-    prompt = jnp.asarray(check_tokens("prompt", prompt, cfg.vocab_size))
+    prompt, embeds = _check_prompt(cfg, prompt, embeds)
+    n = (prompt if embeds is None else embeds).shape[1]
     if cfg.positions == "learned":
-        check_fits("prompt", position_offset(variables), prompt.shape[1], cfg.max_len, "learned positions")
-    state = _absorb_fn(model)(dict(variables), prompt)
-    _check_finite_state(state[PROMPT_STATE], variables)
+        check_fits("prompt", position_offset(variables), n, cfg.max_len, "learned positions")
+    state = _absorb_fn(model)(dict(variables), prompt, embeds)
+    _check_finite_state(state[PROMPT_STATE], variables, embeds)
     return {**variables, **state}
+
+
+def _check_prompt(cfg: ModelConfig, prompt, embeds):
+    """``(prompt, embeds)`` as arrays, exactly one of them given and well formed."""
+    if (prompt is None) == (embeds is None):
+        raise LiniclError("convert: pass exactly one of prompt (int32[batch, n]) or embeds "
+                          f"(float[batch, n, {cfg.d_model}])")
+    if prompt is not None:
+        return jnp.asarray(check_tokens("prompt", prompt, cfg.vocab_size)), None
+    shape, dtype = getattr(embeds, "shape", None), getattr(embeds, "dtype", None)
+    if shape is None or len(shape) != 3 or shape[-1] != cfg.d_model or not jnp.issubdtype(dtype, jnp.floating):
+        raise LiniclError(f"embeds must be float[batch, n, {cfg.d_model}], got "
+                          f"{type(embeds).__name__ if shape is None else f'{dtype}{tuple(shape)}'}")
+    if shape[0] < 1 or shape[1] < 1:
+        raise LiniclError(f"embeds must have at least one row and one token, got shape {tuple(shape)}")
+    return None, jnp.asarray(embeds)
 
 
 def _nonfinite_leaves(tree) -> list[str]:
@@ -115,7 +135,7 @@ def _nonfinite_leaves(tree) -> list[str]:
     return [name for (name, _), ok in zip(leaves, finite) if not ok]
 
 
-def _check_finite_state(prompt_state, variables) -> None:
+def _check_finite_state(prompt_state, variables, embeds=None) -> None:
     """Refuse to return a NaN/inf prompt state: every later query would be NaN, far from the cause.
 
     Under ``jax.jit`` (traced state) the check is skipped and a NaN state shows as NaN outputs."""
@@ -123,7 +143,9 @@ def _check_finite_state(prompt_state, variables) -> None:
     if not bad:
         return
     bad_params = _nonfinite_leaves(variables.get("params", {}))
-    if bad_params:
+    if embeds is not None and _nonfinite_leaves(embeds):
+        cause = "embeds hold NaN or inf"
+    elif bad_params:
         cause = f"variables['params'] hold NaN or inf at {', '.join(bad_params[:4])}"
     else:
         # Seen with jaxlib 0.10 on CPU: a float64 YNNPACK reduce fusion returned an all-NaN tensor for

@@ -217,10 +217,64 @@ def test_convert_reports_a_misbehaving_compiled_program(monkeypatch):
     absorb = iclca._absorb_fn(model)
 
     def broken(model_):
-        def run(v, p):
-            state = absorb(v, p)
+        def run(v, p, e=None):
+            state = absorb(v, p, e)
             return {**state, "prompt_state": jax.tree_util.tree_map(lambda x: x * jnp.nan, state["prompt_state"])}
         return run
     monkeypatch.setattr(iclca, "_absorb_fn", broken)
     with pytest.raises(linicl.LiniclError, match="XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type"):
         iclca.convert(model, variables, tokens(0, 1, 5, cfg.vocab_size))
+
+
+def _embeds(seed: int, batch: int, n: int, d_model: int) -> jax.Array:
+    return jax.random.normal(jax.random.PRNGKey(seed), (batch, n, d_model), jnp.float64)
+
+
+@examples(0.5)
+@given(cfg=linear_configs(max_layers=2), n=st.integers(1, 30), m=st.integers(1, 8), batch=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_continuous_prompt_converts_exactly(cfg, n, m, batch, seed):
+    """A prompt of continuous tokens (``embeds``: in-context regression) converts like a token prompt;
+    the converted model answers an embeds query and a token query as the prompted model does."""
+    model, variables = init(cfg, seed)
+    prompt, query = _embeds(seed, 1, n, cfg.d_model), _embeds(seed + 1, batch, m, cfg.d_model)
+    fwd = jax.jit(lambda v, e: model.apply(v, embeds=e))
+    reference = fwd(variables, jnp.concatenate([jnp.repeat(prompt, batch, 0), query], 1))[:, n:]
+    converted = iclca.convert(model, variables, embeds=prompt)
+    assert rel_err(fwd(converted, query), reference) <= EXACT_RTOL
+    assert rel_err(fwd(variables, query), reference) >= BASELINE_MIN
+    ids = tokens(seed + 2, batch, m, cfg.vocab_size)
+    embed = variables["params"]["embed"]
+    mixed = fwd(variables, jnp.concatenate([jnp.repeat(prompt, batch, 0), embed[ids]], 1))[:, n:]
+    assert rel_err(apply(model, converted, ids), mixed) <= EXACT_RTOL
+
+
+@pytest.mark.parametrize("options", [dict(gate="scalar", feature_map="elu+1"),
+                                     dict(update="delta", gate="scalar", feature_map="identity", normalize=False)])
+def test_continuous_prompt_converts_exactly_with_gates_and_the_delta_rule(options):
+    cfg = linicl.ModelConfig(vocab_size=16, d_model=12, n_layers=2, n_heads=3, d_ff=8, attention="linear",
+                             positions="rope", dtype="float64", **options)
+    model, variables = init(cfg, 3)
+    prompt, query = _embeds(0, 1, 9, 12), _embeds(1, 2, 4, 12)
+    fwd = jax.jit(lambda v, e: model.apply(v, embeds=e))
+    reference = fwd(variables, jnp.concatenate([jnp.repeat(prompt, 2, 0), query], 1))[:, 9:]
+    assert rel_err(fwd(iclca.convert(model, variables, embeds=prompt), query), reference) <= EXACT_RTOL
+    assert rel_err(fwd(variables, query), reference) >= BASELINE_MIN
+
+
+def test_convert_prompt_arguments_are_checked():
+    cfg = linicl.preset("tiny-linear-rope-decay", dtype="float64")
+    model, variables = init(cfg)
+    d = cfg.d_model
+    with pytest.raises(linicl.LiniclError, match="exactly one of prompt"):
+        iclca.convert(model, variables)
+    with pytest.raises(linicl.LiniclError, match="exactly one of prompt"):
+        iclca.convert(model, variables, tokens(0, 1, 3, cfg.vocab_size), embeds=_embeds(0, 1, 3, d))
+    with pytest.raises(linicl.LiniclError, match=rf"embeds must be float\[batch, n, {d}\], got float64\(1, 3, {d + 1}\)"):
+        iclca.convert(model, variables, embeds=_embeds(0, 1, 3, d + 1))
+    with pytest.raises(linicl.LiniclError, match=r"embeds must be float.*int32"):
+        iclca.convert(model, variables, embeds=jnp.zeros((1, 3, d), jnp.int32))
+    with pytest.raises(linicl.LiniclError, match="at least one row and one token"):
+        iclca.convert(model, variables, embeds=_embeds(0, 1, 0, d))
+    with pytest.raises(linicl.LiniclError, match="embeds hold NaN or inf"):
+        iclca.convert(model, variables, embeds=_embeds(0, 1, 3, d).at[0, 1, 0].set(jnp.inf))
