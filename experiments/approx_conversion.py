@@ -30,7 +30,7 @@ Measured per (task, k, method), on the same ``--n-eval`` seeded test queries:
   ||z_method - z_prompt|| / ||z_prompt|| per query over all its tokens (and at its last token only),
   averaged over queries;
 * the fraction of the few-shot gain recovered, (acc_method - acc_zero) / (acc_prompt - acc_zero), with
-  its bootstrap interval (``linicl.stats.recovered``), only where the few-shot gain is significant;
+  its bootstrap interval (``linicl.stats.recovered``), only where the few-shot gain is significantly positive;
   whether a method collapsed (significantly below zero-shot, ``linicl.stats.collapsed``); and whether
   the issue's target holds (see ``recovery``).
 
@@ -353,7 +353,7 @@ def _iv(iv) -> dict:
 
 def compare(correct: dict, variants: list) -> dict:
     """Per-query correctness ``{method: array}`` of one set of paired queries -> the few-shot gain with
-    its paired interval, each variant's recovered share (None unless the gain is significant), its
+    its paired interval, each variant's recovered share (None unless the gain is significantly positive), its
     difference to the prompted model and whether it (or the prompted model) collapsed."""
     zero, few = correct["zero"], correct["prompt"]
     g = stats.gain(few, zero)
@@ -379,7 +379,7 @@ def _pooled_correct(cells: list) -> dict:
 def recovery(tasks: dict, variants: list) -> dict:
     """The few-shot gain recovered, per (task, k) and per task pooled over k (every (query, k) a pair),
     and the issue's target: the best variant recovers >= half of the gain on >= half of the tasks,
-    counting only tasks with a significant gain (``linicl.stats.recovered``)."""
+    counting only tasks with a significantly positive gain (``linicl.stats.recovered``)."""
     per_cell, pooled = {}, {}
     for name, e in tasks.items():
         for k, cell in e["k"].items():

@@ -254,7 +254,7 @@ def tables(report: dict) -> str:
         rows.append([cell + ("" if res.get("converted_same_answers", True) else " (CONVERTED DIFFERS)")] + [(f"{100 * res[m]['accuracy']:.1f} [{100 * res[m]['ci_low']:.1f}, {100 * res[m]['ci_high']:.1f}]"
                                + (" (const)" if res[m]["constant"] else "")) if m in res else "-" for m in methods])
     lines += [reporting.markdown_table(["task, k"] + methods, rows), ""]
-    lines += ["Share of the softmax model's few-shot gain the student keeps (only where the gain is significant):", ""]
+    lines += ["Share of the softmax model's few-shot gain the student keeps (only where the gain is significantly positive):", ""]
     def share(r):
         return "n.s. gain" if r is None else f"{r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
     rows = [[t, g["k"], f"{100 * g['gain']['value']:.1f} [{100 * g['gain']['low']:.1f}, {100 * g['gain']['high']:.1f}]",

@@ -16,7 +16,7 @@ Steps (each timed; ``timings`` in the JSON holds the wall seconds per phase and 
 Open-ended tasks are scored by exact match of the greedy answer (``linicl.evaluate``'s default).
 Reported: accuracy per task and method with its 95 % Wilson interval (a constant predictor marked),
 each method's difference to zero-shot on the same queries (paired bootstrap 95 %), the share of the
-few-shot gain it recovers (only where that gain is significant, ``linicl.stats.recovered``), ID and
+few-shot gain it recovers (only where that gain is significantly positive, ``linicl.stats.recovered``), ID and
 OOD averages, collapses (tasks where a method is significantly below zero-shot,
 ``linicl.stats.collapsed``), whether ICR meets the targets (no collapse; ID average >= 5 points over
 zero-shot).
@@ -252,7 +252,7 @@ def _correct(row: dict, method: str) -> np.ndarray:
 def compare(row: dict, methods: list) -> dict:
     """Per method (not zero-shot), on the task's shared queries: the difference to zero-shot (paired
     bootstrap), whether it collapsed (significantly below zero-shot) and the share of the few-shot
-    gain it recovers (None unless that gain is significant)."""
+    gain it recovers (None unless that gain is significantly positive)."""
     from linicl import stats
     zero, few = _correct(row, "zero-shot"), _correct(row, "few-shot")
     out = {}
@@ -313,7 +313,7 @@ def fmt_compare(c: dict) -> str:
 def table(results: dict, summary: dict, id_tasks, ood_tasks) -> str:
     """The result tables as Markdown: accuracy (%) with 95 % Wilson intervals per task and method, the
     group averages and the number of collapses; then each method minus zero-shot on the same queries
-    (paired bootstrap), with the share of the few-shot gain recovered where that gain is significant."""
+    (paired bootstrap), with the share of the few-shot gain recovered where that gain is significantly positive."""
     methods = method_names(results)
     order = [(group, t) for group, names in (("ID", id_tasks), ("OOD", ood_tasks)) for t in names if t in results]
     rows = [[t, group, results[t]["n"]] + [fmt_acc(results[t], m) for m in methods] for group, t in order]
@@ -325,7 +325,7 @@ def table(results: dict, summary: dict, id_tasks, ood_tasks) -> str:
     lines = [f"Accuracy in % with 95 % Wilson intervals ({CONSTANT_MARK}: the same prediction for every query):",
              "", reporting.markdown_table(["task", "group", "n"] + methods, rows), "",
              "Method minus zero-shot, points on the same queries (paired bootstrap 95 %); rec: share of the "
-             "few-shot gain recovered (only where that gain is significant); COLLAPSED: significantly below "
+             "few-shot gain recovered (only where that gain is significantly positive); COLLAPSED: significantly below "
              "zero-shot:", "", reporting.markdown_table(["task", "group"] + others, diffs)]
     if "targets" in summary:
         t = summary["targets"]

@@ -82,10 +82,12 @@ def gain(few, zero, **kw) -> Interval:
 def recovered(method, few, zero, *, n_boot: int = N_BOOT, seed: int = 0) -> Optional[Interval]:
     """The share of the few-shot gain a method keeps, (acc_method - acc_zero) / (acc_few - acc_zero),
     with a 95 % bootstrap interval (ratio of the resampled means; resamples with no gain are dropped).
-    ``None`` when the gain is not significant: a share of a gain that may be zero is undefined."""
+    ``None`` unless the gain is significantly positive: a share of a gain that may be zero is
+    undefined, and the share of a loss (few-shot significantly below zero-shot, a collapse) would read
+    as "recovered" for a method that also loses; report that case with ``collapsed``."""
     m, f = _paired(method, few)
     _, z = _paired(few, zero)
-    if not gain(f, z, n_boot=n_boot, seed=seed).excludes_zero():
+    if not gain(f, z, n_boot=n_boot, seed=seed).low > 0:
         return None
     idx = np.random.default_rng(seed).integers(0, f.size, size=(n_boot, f.size))
     num, den = (m[idx] - z[idx]).mean(1), (f[idx] - z[idx]).mean(1)

@@ -75,6 +75,12 @@ def test_recovered_is_none_without_a_significant_gain():
     assert recovered(few, few, zero) is None
 
 
+def test_recovered_is_none_when_the_prompt_significantly_hurts():
+    zero, few = _correct(28, 32), _correct(4, 32)   # few-shot collapses: a significant loss
+    assert gain(few, zero).high < 0
+    assert recovered(few, few, zero) is None and recovered(_correct(16, 32), few, zero) is None
+
+
 def test_recovered_is_one_for_the_few_shot_method_itself():
     zero, few = _correct(4, 32), _correct(28, 32)
     r = recovered(few, few, zero)
