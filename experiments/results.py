@@ -100,6 +100,17 @@ EXPERIMENTS = {
         title="Benchmark: implicit-update operators",
         cmd=["experiments/benchmarks/implicit_speed.py"], quick=["--quick"], json="implicit_speed.json",
         plots=["implicit_speed.png"], reference="Ratios against one forward pass measured in the same run."),
+    "gated_delta_forms": dict(
+        title="Benchmark: recurrent and chunked forms of the gated and delta-rule kernels",
+        cmd=["experiments/benchmarks/gated_delta_forms.py"], quick=["--quick"], json="gated_delta_forms.json",
+        plots=[], reference="flash-linear-attention and the DeltaNet papers (arXiv 2406.06484, 2412.06464) report "
+                            "chunked forms far ahead of recurrent ones on GPUs; their figures are not for CPUs. "
+                            "Ratios against the recurrent form measured in the same run."),
+    "compile_speed": dict(
+        title="Benchmark: compile time, cold against warm persistent cache",
+        cmd=["experiments/benchmarks/compile_speed.py"], quick=["--quick"], json="compile_speed.json",
+        plots=[], reference="No paper; issue targets: generate 20 tokens <= 3 s at a new shape, forward <= 1 s "
+                            "with a warm cache, `linicl verify` <= 60 s."),
     "lm_speed": dict(
         title="Benchmark: GPT-2-small-sized forward and SmolLM2",
         cmd=["experiments/benchmarks/lm_speed.py"], quick=["--quick"], json="lm_speed.json",
