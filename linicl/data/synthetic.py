@@ -1,8 +1,8 @@
 """Synthetic in-context tasks as pure functions of a PRNG key (jit- and vmap-able).
 
-Both generators return a ``TokenBatch`` of next-token training data: the model reads ``inputs`` and is
-trained to predict ``targets`` at every position; ``mask`` marks the positions that can be predicted
-*from the context* (the in-context accuracy is the accuracy there).
+The token generators return a ``TokenBatch`` of next-token training data: the model reads ``inputs``
+and is trained to predict ``targets`` at every position; ``mask`` marks the positions that can be
+predicted *from the context* (the in-context accuracy is the accuracy there).
 
 * ``induction_batch``: the repeated random sequence of iclca.md section 8. A sequence of ``seq_len``
   tokens is ``h = seq_len / 2`` uniform random tokens followed by the same ``h`` tokens again;
@@ -16,6 +16,10 @@ trained to predict ``targets`` at every position; ``mask`` marks the positions t
 * ``mqar_batch``: multi-query associative recall (Zoology's MQAR, Arora et al. arXiv 2312.04927).
   ``n_pairs`` key-value pairs, then ``n_queries`` of their keys, each followed by its value (the
   model predicts the value at every query key). Keys and values as in ``recall_batch``.
+* ``regression_batch``: in-context linear regression (Garg et al. arXiv 2208.01066), a continuous task:
+  per sequence a weight vector w ~ N(0, I) and ``n_examples`` pairs (x_i, y_i = w . x_i + noise), as a
+  ``RegressionBatch``; ``regression_embeds`` lays them out as the continuous tokens x_1, y_1, x_2,
+  y_2, ... that a model reads as ``embeds`` (it predicts y_i at the x_i token).
 
 Sizes are static Python ints: validate them eagerly (``LiniclError`` naming the argument), then trace.
 Under ``jax.jit`` pass them as static arguments (``functools.partial`` or ``static_argnames``); under
@@ -36,7 +40,8 @@ import jax.numpy as jnp
 
 from linicl.errors import LiniclError
 
-__all__ = ["TokenBatch", "induction_batch", "recall_batch", "mqar_batch", "induction_mask"]
+__all__ = ["TokenBatch", "RegressionBatch", "induction_batch", "recall_batch", "mqar_batch", "induction_mask",
+           "regression_batch", "regression_embeds"]
 
 
 class TokenBatch(NamedTuple):
@@ -46,6 +51,15 @@ class TokenBatch(NamedTuple):
     inputs: jax.Array
     targets: jax.Array
     mask: jax.Array
+
+
+class RegressionBatch(NamedTuple):
+    """In-context linear regression tasks. ``xs``: ``f32[batch, n, d_x]``; ``ys``: ``f32[batch, n]``;
+    ``w``: ``f32[batch, d_x]``, the weights each sequence's ``ys`` come from."""
+
+    xs: jax.Array
+    ys: jax.Array
+    w: jax.Array
 
 
 def _size(name: str, value, minimum: int) -> int:
@@ -228,3 +242,74 @@ def _mqar(key, batch: int, n_pairs: int, n_queries: int, vocab_size: int, seq_le
     seq = jnp.concatenate([pairs, tail], axis=1)         # [batch, seq_len + 1]
     mask = jnp.concatenate([jnp.zeros((batch, 2 * n_pairs), bool), is_query], axis=1)[:, :-1]
     return TokenBatch(seq[:, :-1], seq[:, 1:], mask)
+
+
+def regression_batch(key: jax.Array, batch: int, n_examples: int, d_x: int, noise=0.0) -> RegressionBatch:
+    """In-context linear regression (Garg et al. arXiv 2208.01066): one linear function per sequence.
+
+    x_i ~ N(0, I_{d_x}) and w ~ N(0, I_{d_x}) independently per sequence, y_i = w . x_i + noise * e_i
+    with e_i ~ N(0, 1). With ``noise=0`` every y_i is exactly w . x_i (a function of the pairs before
+    it once i > d_x: least squares recovers w), and E[y^2] = d_x.
+
+    Args:
+      key: a PRNG key.
+      batch: number of sequences (tasks), >= 1.
+      n_examples: (x, y) pairs per sequence, >= 1.
+      d_x: input dimension, >= 1.
+      noise: the standard deviation of the label noise, >= 0 (a float; under jit it may be traced).
+    Returns:
+      ``RegressionBatch(xs: f32[batch, n_examples, d_x], ys: f32[batch, n_examples], w: f32[batch,
+      d_x])``.
+    Raises:
+      LiniclError: a size that is not a Python int or too small, or a negative or non-finite ``noise``
+        (checked when it is a Python number).
+    """
+    _size("batch", batch, 1)
+    _size("n_examples", n_examples, 1)
+    _size("d_x", d_x, 1)
+    if isinstance(noise, (int, float)) and not 0 <= noise < float("inf"):
+        raise LiniclError(f"noise must be a finite standard deviation >= 0, got {noise}")
+    return _regression(key, batch, n_examples, d_x, noise)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _regression(key, batch: int, n_examples: int, d_x: int, noise) -> RegressionBatch:
+    k_x, k_w, k_e = jax.random.split(key, 3)
+    f32 = jnp.float32  # explicit: with jax_enable_x64 the default float would be float64
+    xs = jax.random.normal(k_x, (batch, n_examples, d_x), f32)
+    w = jax.random.normal(k_w, (batch, d_x), f32)
+    ys = jnp.einsum("bnd,bd->bn", xs, w) + jnp.asarray(noise, f32) * jax.random.normal(k_e, (batch, n_examples), f32)
+    return RegressionBatch(xs, ys, w)
+
+
+def regression_embeds(xs, ys) -> jax.Array:
+    """The continuous tokens of in-context regression: x_1, y_1, x_2, y_2, ... (Garg et al.).
+
+    An x-token is ``[x_i, 0]`` and a y-token ``[0, ..., 0, y_i]`` (d_x + 1 features: the last one says
+    "label"). A causal model predicts y_i at the x_i token, position ``2 * (i - 1)``, from the i - 1
+    pairs before it and x_i; its predictions are its outputs at positions ``0, 2, 4, ...``. The first
+    ``2 * k`` tokens are a prompt of k pairs.
+
+    Args:
+      xs: ``f[batch, n, d_x]``.
+      ys: ``f[batch, n]``.
+    Returns:
+      ``f[batch, 2 * n, d_x + 1]`` in the dtype of ``xs`` and ``ys`` together (NumPy or JAX input).
+    Raises:
+      LiniclError: ``xs`` not 3-dimensional, or ``ys`` not ``[batch, n]`` of the same batch and n.
+    """
+    if getattr(xs, "ndim", None) != 3:
+        raise LiniclError(f"xs must be f[batch, n, d_x], got shape {getattr(xs, 'shape', type(xs).__name__)}")
+    if getattr(ys, "shape", None) != xs.shape[:2]:
+        raise LiniclError(f"ys must be f[batch, n] = {tuple(xs.shape[:2])} (one label per x), got shape "
+                          f"{getattr(ys, 'shape', type(ys).__name__)}")
+    return _embeds(xs, ys)
+
+
+@jax.jit
+def _embeds(xs, ys) -> jax.Array:
+    dt = jnp.result_type(xs, ys)
+    x_tok = jnp.concatenate([xs, jnp.zeros(ys.shape + (1,), dt)], axis=-1)
+    y_tok = jnp.concatenate([jnp.zeros(xs.shape, dt), ys[..., None]], axis=-1)
+    batch, n, d = x_tok.shape
+    return jnp.stack([x_tok, y_tok], axis=2).reshape(batch, 2 * n, d).astype(dt)
