@@ -82,6 +82,14 @@ EXPERIMENTS = {
         reference="Hedgehog (arXiv 2402.04347) linearizes GPT-2 (125M) to 16.7 WikiText-103 perplexity; "
                   "LoLCATs (arXiv 2410.10254) closes most of Llama 3 8B's 5-shot MMLU gap with a window "
                   "of 64. Neither reports SmolLM2 or prompt conversion."),
+    "linearize_w0": dict(
+        title="Linearized SmolLM2 without a window (window 0, sinks 0)",
+        cmd=["experiments/linearize.py", "--window", "0", "--sinks", "0", "--k", "0", "8", "--resume"],
+        quick=["--quick"], json="linearize.json", plots=["linearize.png"],
+        reference="Hedgehog (arXiv 2402.04347) linearizes without a window (GPT-2 125M: 16.7 WikiText-103 "
+                  "perplexity after fine-tuning); LoLCATs (arXiv 2410.10254) adds the window. Neither reports "
+                  "SmolLM2 or prompt conversion. Stage 1 ran over two sessions, resumed from its checkpoint; the "
+                  "wall time is the last process's."),
     "recall_capacity": dict(
         title="Recall capacity of the mixers on MQAR and in-context linear regression, prompted and converted",
         # resumes on its own: each trained mixer is a checkpoint in results/recall_capacity/checkpoints/
