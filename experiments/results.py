@@ -87,7 +87,7 @@ EXPERIMENTS = {
         cmd=["experiments/linearize.py", "--window", "0", "--sinks", "0", "--k", "0", "8", "--resume"],
         quick=["--quick"], json="linearize.json", plots=["linearize.png"],
         reference="Hedgehog (arXiv 2402.04347) linearizes without a window (GPT-2 125M: 16.7 WikiText-103 "
-                  "perplexity after fine-tuning); LoLCATs (arXiv 2410.10254) adds the window. Neither reports "
+                  "perplexity); LoLCATs (arXiv 2410.10254) adds the window. Neither reports "
                   "SmolLM2 or prompt conversion. Stage 1 ran over two sessions, resumed from its checkpoint; the "
                   "wall time is the last process's."),
     "recall_capacity": dict(
