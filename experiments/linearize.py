@@ -37,6 +37,7 @@ from linicl.compiled import enable_persistent_cache
 import linicl
 from linicl import data, iclca, linearize, reporting, stats
 from linicl.evaluate import evaluate_prompts
+from linicl.memory import kv_cache_floats
 from linicl.metrics import rel_err
 from linicl.timing import time_call
 
@@ -236,7 +237,7 @@ def timing(student, sv, args) -> list:
         rows.append(dict(prompt_len=n, prompted_s=time_call(fwd, sv, full, repeats=3),
                          converted_s=time_call(fwd, converted, query, repeats=3), logits_rel_err=err,
                          state_floats=int(sum(x.size for x in jax.tree_util.tree_leaves(converted["prompt_state"]))),
-                         kv_cache_floats=2 * n * student.cfg.n_layers * student.cfg.kv_heads * student.cfg.head_dim))
+                         kv_cache_floats=kv_cache_floats(student.cfg, n)))
     return rows
 
 

@@ -112,6 +112,7 @@ from linicl.compiled import enable_persistent_cache
 from linicl.config import ModelConfig
 from linicl.data.synthetic import RegressionBatch, TokenBatch, mqar_batch, regression_batch, regression_embeds
 from linicl.errors import LiniclError
+from linicl.memory import kv_cache_floats
 from linicl.nn import Transformer
 from linicl.reporting import positive_float, positive_int, positive_int_list
 from linicl.timing import FAST_COMPILE, QUICK_COMPILE
@@ -452,7 +453,7 @@ def prompt_floats(cfg: ModelConfig, n_pairs: int) -> int:
     """Floats a prompt of ``n_pairs`` pairs leaves: the finite state, or softmax's KV cache."""
     if cfg.attention == "linear":
         return iclca.state_floats(cfg)
-    return 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * (2 * n_pairs)
+    return kv_cache_floats(cfg, 2 * n_pairs)
 
 
 def eval_model(cfg: ModelConfig, params) -> tuple:

@@ -4,7 +4,8 @@ A prompt stored by ``linicl.iclca.convert`` (exact, linear attention) or ``conve
 approximation, softmax attention) lives in the collections ``linicl.names.PROMPT_COLLECTIONS`` of the
 variables dict; ``params`` are the model's and are not counted. ``iclca.state_floats(cfg)`` is the
 exact conversion's count from the config alone; ``prompt_floats`` counts what a given variables dict
-actually holds, for any conversion.
+actually holds, for any conversion; ``kv_cache_floats`` is what a softmax model keeps for a prompt
+instead (its KV cache), the baseline every stored state is compared with.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linicl import names
+from linicl.config import ModelConfig
 
 # The PromptApprox field holding the seeded positive-random-feature projections ("prf" kernel).
 _PROJECTIONS = "W"
@@ -43,3 +45,10 @@ def prompt_floats(variables: Mapping, *, projections: bool = True) -> int:
             if jnp.issubdtype(dtype, jnp.floating):  # bfloat16 too
                 total += int(np.size(leaf))
     return total
+
+
+def kv_cache_floats(cfg: ModelConfig, n_tokens: int) -> int:
+    """Floats of a softmax KV cache holding ``n_tokens`` prompt tokens, per prompt row: a key and a
+    value of ``head_dim`` for every layer and key-value head, ``2 * n_layers * kv_heads * head_dim *
+    n_tokens`` (grouped-query heads share theirs)."""
+    return 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * int(n_tokens)

@@ -58,3 +58,15 @@ def test_only_floating_leaves_of_the_prompt_collections_count():
     assert prompt_floats(half) == 3
     with pytest.raises(TypeError, match="variables dict"):
         prompt_floats(jax.numpy.ones(3))
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 1])
+def test_kv_cache_floats_counts_the_decode_cache_of_a_prompt(n_kv_heads):
+    """Against the keys and values the decode cache really holds for the prompt (grouped-query heads
+    share theirs)."""
+    from linicl.memory import kv_cache_floats
+    cfg = linicl.preset("tiny-gpt2", dtype="float64", n_heads=4, n_kv_heads=n_kv_heads)
+    model, variables = init(cfg)
+    n = 7
+    kv = iclca._prompt_kv_fn(model)(variables, tokens(0, 1, n, cfg.vocab_size))
+    assert kv_cache_floats(cfg, n) == sum(int(k.size + v.size) for k, v in kv)
