@@ -15,7 +15,7 @@ model whose prompt is a finite state (and so converts into weights exactly).
 4. Converted-query time and state size against prompt length, against the prompted student.
 
     python experiments/linearize.py --quick                  # tiny fixture model, CI-sized
-    python experiments/linearize.py                          # SmolLM2 (stage 1 ~ 200 steps)
+    python experiments/linearize.py                          # SmolLM2: 200 steps of 4 x 512 tokens
     python experiments/linearize.py --maps OUT/maps.safetensors --steps 0   # evaluate given maps
 
 Writes ``OUT/linearize.json`` (every number), ``OUT/linearize.png``; prints the tables first.
@@ -58,10 +58,10 @@ def parse_args(argv=None):
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--feature-size", type=int, default=0, help="hedgehog m (0: d_head)")
     p.add_argument("--rope-on", choices=("inputs", "features"), default="inputs")
-    p.add_argument("--train-seqs", type=int, default=512)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--train-seqs", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--maps", default=None, help="load trained maps instead of training")
     p.add_argument("--from-checkpoint", default=None,
@@ -120,7 +120,8 @@ def stage1(teacher, tv, tok, args):
     wall = time.perf_counter() - t0
     tokens = args.steps * args.batch_size * args.seq_len
     linearize.save_maps(os.path.join(args.out, "maps.safetensors"), student, sv,
-                        meta=dict(tokens=tokens, steps=args.steps, teacher=args.model or "SmolLM2"))
+                        meta=dict(tokens=tokens, steps=args.steps, seq_len=args.seq_len,
+                                  teacher=args.model or "SmolLM2"))
     return student, sv, dict(history=hist._asdict(), wall_s=wall, tokens_seen=tokens,
                              train_sequences=list(seqs.shape))
 
