@@ -177,9 +177,12 @@ def icl_cell(teacher, tv, student, sv, tok, task, k: int, args) -> dict:
         alone = [dataclasses.replace(p, tokens=p.tokens[n:], roles=p.roles[n:], query_start=0)
                  for p in prompts]
         res["student converted"] = evaluate_prompts(student, converted, **dict(common, prompts=alone))
-        # The unmodified softmax model with its demonstrations as learned-kernel bias terms.
+        # The unmodified softmax model with its demonstrations as learned-kernel bias terms; the
+        # student's sinks and the prompt tokens in its window at the first query token stay exact.
+        cfg = student.cfg
         approx = iclca.convert_approx(teacher, tv, jnp.asarray(prompts[0].tokens[:n])[None],
-                                      kernel="learned", maps=sv)
+                                      kernel="learned", maps=sv, sinks=min(cfg.sinks, n),
+                                      window=min(max(cfg.window - 1, 0), max(n - cfg.sinks, 0)))
         res["softmax + learned-kernel prompt"] = evaluate_prompts(teacher, approx, **dict(common, prompts=alone))
     row = {m: r.summary() | {"correct": r.correct.astype(int).tolist(), "predictions": list(r.predictions)}
            for m, r in res.items()}

@@ -287,7 +287,7 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs, n_features, ridge) -> None:
+def _check_approx_args(cfg, kernel, form, lam, sinks, window, n, fit_inputs, n_features, ridge) -> None:
     if kernel not in APPROX_KERNELS:
         raise LiniclError(f"kernel must be one of {APPROX_KERNELS}, got {kernel!r}")
     # n_features = 0 would store an empty (B, b): the prompt silently dropped.
@@ -309,10 +309,13 @@ def _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs, n_features,
                           "the student's sums")
     if form == "mix" and not 0.0 <= lam <= 1.0:
         raise LiniclError(f"lam must lie in [0, 1] (the input's weight in the mix), got {lam}")
-    if not isinstance(sinks, int) or not 0 <= sinks <= n:
-        raise LiniclError(f"sinks must be an int in [0, {n}] (prompt tokens kept exact), got {sinks!r}")
-    if form == "mix" and sinks == n:
-        raise LiniclError("form='mix' needs at least one linearised prompt token (sinks < prompt length)")
+    if not _is_int(sinks) or not 0 <= sinks <= n:
+        raise LiniclError(f"sinks must be an int in [0, {n}] (first prompt tokens kept exact), got {sinks!r}")
+    if not _is_int(window) or not 0 <= window <= n - sinks:
+        raise LiniclError(f"window must be an int in [0, {n - sinks}] (last prompt tokens kept exact; the "
+                          f"prompt has {n} tokens and sinks={sinks}), got {window!r}")
+    if form == "mix" and sinks + window == n:
+        raise LiniclError("form='mix' needs at least one linearised prompt token (sinks + window < prompt length)")
     if not cfg.causal:
         raise LiniclError("convert_approx needs a causal model")
 
@@ -368,7 +371,8 @@ def _check_maps_use(cfg: ModelConfig, kernel: str, maps) -> None:
 
 
 def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2", *,
-                   form: Optional[str] = None, lam: float = 0.5, sinks: int = 0, n_features: int = 256,
+                   form: Optional[str] = None, lam: float = 0.5, sinks: int = 0, window: int = 0,
+                   n_features: int = 256,
                    seed: int = 0, fit_inputs=None, ridge: float = 1e-6,
                    maps: Optional[Variables] = None) -> dict:
     """Store ``prompt`` as kernel-approximated bias terms in a softmax model (iclca.md, section 7).
@@ -388,16 +392,20 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         None means ``"shared"``, or ``"hybrid"`` for ``kernel="learned"`` (its only form): LoLCATs'
         hybrid with the prompt as the linear part. A query at absolute position t, head h, reads
         ``[sum_E g_h e^{s_i - c_t} v_i + phi_q(q_t)^T B] / [sum_E g_h e^{s_i - c_t} + phi_q(q_t).b]``,
-        E being the visible exact keys (the query's own tokens and the sinks), c_t = max_E s_i and
-        g_h = sigmoid(gate) of the student's layer (1 when the student has no gate: window 0,
-        sinks 0). When the query's tokens fit the student's window and the linearised prompt lies
-        outside it, this is the student's layer on the teacher's q, k, v.
+        E being the visible exact keys (the query's own tokens, the sinks and the window), c_t =
+        max_E s_i and g_h = sigmoid(gate) of the student's layer (1 when the student has no gate:
+        window 0, sinks 0). With the student's ``sinks`` and ``window - 1`` (its window at the first
+        query token holds that token and the prompt's last window - 1), the first query token reads
+        the student's layer on the teacher's q, k, v; later query tokens keep that prompt tail exact
+        where the student's window would have moved past it.
       maps: for ``kernel="learned"`` only: the linearized student's variables or params, with
         ``layers_l/attn/{phi_q_W, phi_q_b, phi_k_W, phi_k_b: [heads, d_head, m] / [heads, m]}`` for
         every layer (and ``gate: [heads]`` when the student has an exact part). The maps act on
         rotated q, k (``rope_on="inputs"``, the student's default).
       sinks: the first ``sinks`` prompt tokens stay exact key/value entries of the softmax (attention
-        sinks); only the rest is linearised. With ``sinks=n`` the conversion is exact.
+        sinks); only the rest is linearised.
+      window: the last ``window`` prompt tokens stay exact too (sinks + window <= n). With
+        ``sinks + window = n`` the conversion is exact.
       fit_inputs: optional ``int32[m, t]`` sample inputs. Then (B, b) are not sums over the prompt but
         the least-squares fit, per layer and head, of the prompt's exact numerator and partition at
         the queries the prompted model forms on these inputs (rows weighted by 1 / the query's total
@@ -423,20 +431,22 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     prompt = jnp.asarray(check_tokens("prompt", prompt, cfg.vocab_size))
     n = prompt.shape[1]
     form = ("hybrid" if kernel == "learned" else "shared") if form is None else form
-    _check_approx_args(cfg, kernel, form, lam, sinks, n, fit_inputs, n_features, ridge)
+    _check_approx_args(cfg, kernel, form, lam, sinks, window, n, fit_inputs, n_features, ridge)
     learned = _learned_maps(cfg, maps) if kernel == "learned" else None
     check_fits("prompt", 0, n + 1, cfg.max_len, "the model's positions (prompt plus one query token)")
     kv = _prompt_kv_fn(model)(dict(variables), prompt)
     key = jax.random.PRNGKey(seed)
     layers = {}
-    fit = _fit_targets(model, variables, prompt, fit_inputs, kernel, sinks, n_features, seed) \
+    lin = slice(sinks, n - window)  # the linearised prompt tokens; the rest stay exact
+    exact = np.r_[0:sinks, n - window:n].astype(np.int32)
+    fit = _fit_targets(model, variables, prompt, fit_inputs, kernel, lin, n_features, seed) \
         if fit_inputs is not None else None
     for l, (k, v) in enumerate(kv):
         W = (prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features,
                                            cfg.head_dim, k.dtype) if kernel == "prf" else None)
         # GQA: keys and values are repeated to the query heads first (the student's key map is per
         # query head); the cache's keys are rotated to their absolute positions 0..n-1.
-        k_lin, v_lin = repeat_kv(k[:, :, sinks:], cfg.n_heads), repeat_kv(v[:, :, sinks:], cfg.n_heads)
+        k_lin, v_lin = repeat_kv(k[:, :, lin], cfg.n_heads), repeat_kv(v[:, :, lin], cfg.n_heads)
         if learned is not None:
             key_map = learned[l]["phi_k_W"], learned[l]["phi_k_b"]
             B, b = prompt_kernels.prompt_state(kernel, k_lin, v_lin, *key_map)
@@ -447,13 +457,14 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         query_map = ({} if learned is None else
                      dict(phi_W=learned[l]["phi_q_W"], phi_b=learned[l]["phi_q_b"], g=learned[l]["g"]))
         layers[layer_scope(l)] = {"attn": {"approx": PromptApprox(
-            B=B, b=b, W=W, sink_k=k[:, :, :sinks] if sinks else None, sink_v=v[:, :, :sinks] if sinks else None,
-            sink_pos=jnp.arange(sinks, dtype=jnp.int32) if sinks else None, kernel=kernel,
+            B=B, b=b, W=W, sink_k=k[:, :, exact] if exact.size else None,
+            sink_v=v[:, :, exact] if exact.size else None,
+            sink_pos=jnp.asarray(exact) if exact.size else None, kernel=kernel,
             lam=float(lam) if form == "mix" else None, **query_map)}}
     return {**variables, PROMPT_APPROX: layers, POSITION: {"offset": jnp.asarray(n, jnp.int32)}}
 
 
-def _fit_fn(model, kernel: str, sinks: int, n: int):
+def _fit_fn(model, kernel: str, lin: tuple, n: int):
     """jit(variables, tokens, Ws) -> per layer (A [H, R, F], Y [H, R, d+1]): the weighted regression
     rows phi(q_r) / M_r and targets [N_r, Z_r] / M_r, M_r being the query's total softmax mass."""
     cfg = config_of(model)
@@ -467,21 +478,21 @@ def _fit_fn(model, kernel: str, sinks: int, n: int):
             q = jnp.swapaxes(acts[names[3 * l]], 1, 2)  # [m, H, T, d]
             if cfg.positions == "rope":
                 q = apply_rope(q, jnp.arange(T), cfg.rope_base, cfg.rope_style)
-            v = repeat_kv(jnp.swapaxes(acts[names[3 * l + 1]], 1, 2), cfg.n_heads)[:, :, sinks:n]
+            v = repeat_kv(jnp.swapaxes(acts[names[3 * l + 1]], 1, 2), cfg.n_heads)[:, :, lin[0]:lin[1]]
             s = acts[names[3 * l + 2]][:, :, n:, :]  # rows of the input queries, all keys
             visible = jnp.arange(T)[None, :] <= (n + jnp.arange(T - n))[:, None]
             log_mass = jax.nn.logsumexp(jnp.where(visible, s, -jnp.inf), axis=-1)  # [m, H, t]
-            w = jnp.exp(s[..., sinks:n] - log_mass[..., None])  # e^{s_i} / M, prompt part
+            w = jnp.exp(s[..., lin[0]:lin[1]] - log_mass[..., None])  # e^{s_i} / M, linearised part
             Y = jnp.concatenate([jnp.einsum("bhti,bhid->bhtd", w, v), w.sum(-1, keepdims=True)], -1)
             phi = prompt_kernels.features(kernel, q[:, :, n:], Ws[l]) * jnp.exp(-log_mass)[..., None]
             R = phi.shape[0] * phi.shape[2]
             out.append((jnp.swapaxes(phi, 0, 1).reshape(cfg.n_heads, R, -1),
                         jnp.swapaxes(Y, 0, 1).reshape(cfg.n_heads, R, -1)))
         return out
-    return compiled.get(("iclca.fit", model, kernel, sinks, n), lambda: jax.jit(run))
+    return compiled.get(("iclca.fit", model, kernel, lin, n), lambda: jax.jit(run))
 
 
-def _fit_targets(model, variables, prompt, fit_inputs, kernel, sinks, n_features, seed):
+def _fit_targets(model, variables, prompt, fit_inputs, kernel, lin: slice, n_features, seed):
     cfg = config_of(model)
     if prompt.shape[0] != 1:
         raise LiniclError("fit_inputs needs a batch-1 prompt")
@@ -492,7 +503,7 @@ def _fit_targets(model, variables, prompt, fit_inputs, kernel, sinks, n_features
     Ws = [prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features, cfg.head_dim,
                                         cfg.jnp_dtype) if kernel == "prf" else None for l in range(cfg.n_layers)]
     tokens = jnp.concatenate([jnp.broadcast_to(prompt, (m, n)), fit_inputs], axis=1)
-    return _fit_fn(model, kernel, sinks, n)(dict(variables), tokens, Ws)
+    return _fit_fn(model, kernel, (lin.start, lin.stop), n)(dict(variables), tokens, Ws)
 
 
 def _normal_equations(xp, A, Y, ridge: float):

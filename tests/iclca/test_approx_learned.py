@@ -74,10 +74,10 @@ def _hedgehog(x: np.ndarray, W: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.concatenate([softmax(a), softmax(-a)], -1)
 
 
-def _formula(cfg, maps, layer, acts, prompt_acts, n: int, sinks: int) -> np.ndarray:
+def _formula(cfg, maps, layer, acts, prompt_acts, n: int, sinks: int, window: int) -> np.ndarray:
     """hook_z ``[batch, T, heads, d]`` of ``layer`` by direct sums: for the query token at absolute
-    position n + t, head h, with exact keys E (sinks and the query's tokens up to t) and linearised
-    prompt keys L,
+    position n + t, head h, with exact keys E (the prompt's first ``sinks`` and last ``window``, and the
+    query's tokens up to t) and linearised prompt keys L,
         o = [sum_E g e^{s_i - c} v_i + sum_L phi_q(q).phi_k(k_i) v_i] / [sum_E g e^{s_i - c} + sum_L phi_q(q).phi_k(k_i)]
     with s_i = q.k_i / sqrt(d), c = max_E s_i, g = sigmoid(gate) (1 without a gate)."""
     attn = maps["params"][layer_scope(layer)]["attn"]
@@ -94,38 +94,42 @@ def _formula(cfg, maps, layer, acts, prompt_acts, n: int, sinks: int) -> np.ndar
             q = _rope_half(Q[bt, :, h], n + np.arange(T), cfg.rope_base)
             k_own = _rope_half(K[bt, :, kv], n + np.arange(T), cfg.rope_base)
             k_prompt = _rope_half(Kp[:, kv], np.arange(n), cfg.rope_base)
-            fk = _hedgehog(k_prompt[sinks:], Wk, bk)
+            exact = np.r_[0:sinks, n - window:n]
+            lin = np.setdiff1d(np.arange(n), exact)
+            fk = _hedgehog(k_prompt[lin], Wk, bk)
             fq = _hedgehog(q, Wq, bq)
             for t in range(T):
-                keys = np.concatenate([k_prompt[:sinks], k_own[:t + 1]])
-                vals = np.concatenate([Vp[:sinks, kv], V[bt, :t + 1, kv]])
+                keys = np.concatenate([k_prompt[exact], k_own[:t + 1]])
+                vals = np.concatenate([Vp[exact, kv], V[bt, :t + 1, kv]])
                 s = keys @ q[t] / math.sqrt(d)
                 w = g * np.exp(s - s.max())
                 a = fk @ fq[t]
-                num = w @ vals + a @ Vp[sinks:, kv]
+                num = w @ vals + a @ Vp[lin, kv]
                 out[bt, t, h] = num / (w.sum() + a.sum())
     return out
 
 
-@pytest.mark.parametrize("window, sinks, kept", [(0, 0, 0), (4, 1, 2)])
-def test_the_converted_layer_is_the_hybrid_formula(teacher, window, sinks, kept):
+@pytest.mark.parametrize("window, sinks, kept, recent", [(0, 0, 0, 0), (4, 1, 2, 0), (4, 1, 1, 3)])
+def test_the_converted_layer_is_the_hybrid_formula(teacher, window, sinks, kept, recent):
     """window 0, sinks 0: a student without an exact part (no gate, g = 1); (4, 1): a gated student,
-    converted with 2 prompt tokens kept exact. Every layer's hook_z equals the direct sums on the
-    converted pass's own q, k, v and the prompt's exact keys and values."""
+    converted with the first 2 prompt tokens kept exact, or the first and the last 3. Every layer's
+    hook_z equals the direct sums on the converted pass's own q, k, v and the prompt's exact keys and
+    values."""
     model, variables = teacher
     cfg = model.cfg
     maps = _random_maps(_student(teacher, window, sinks)[1], seed=window)
     assert ("gate" in maps["params"]["layers_0"]["attn"]) == (window > 0)
     n = 7
     prompt, query = tokens(11, 1, n, cfg.vocab_size), tokens(12, 2, 5, cfg.vocab_size)
-    converted = iclca.convert_approx(model, variables, prompt, kernel="learned", maps=maps, sinks=kept)
+    converted = iclca.convert_approx(model, variables, prompt, kernel="learned", maps=maps, sinks=kept,
+                                     window=recent)
     names = [block_site(l, f"hook_{x}") for l in range(cfg.n_layers) for x in "qkvz"]
     _, acts = jax.jit(lambda v, t: capture(model, v, t, names=names))(converted, query)
     # The prompt's keys and values are the prompted teacher's (causality: the prompt alone gives them).
     _, prompt_acts = jax.jit(lambda v, t: capture(model, v, t, names=names))(variables, prompt)
     for layer in range(cfg.n_layers):
         z = np.asarray(acts[block_site(layer, "hook_z")])
-        expected = _formula(cfg, maps, layer, acts, prompt_acts, n, kept)
+        expected = _formula(cfg, maps, layer, acts, prompt_acts, n, kept, recent)
         assert rel_err(z, expected) <= EXACT_RTOL, layer
     assert rel_err(apply(model, converted, query), _prompted(model, variables, prompt, query)) >= BASELINE_MIN
 
@@ -148,6 +152,27 @@ def test_a_prompt_kept_as_sinks_is_the_prompted_teacher(teacher):
         out, cache = step(v, query[:, t:t + 1])
         v, outs = {**v, **cache}, outs + [out]
     assert rel_err(jnp.concatenate(outs, axis=1), target) <= EXACT_RTOL
+
+
+@pytest.mark.parametrize("window, sinks", [(4, 1), (1, 2), (6, 0)])
+def test_with_the_students_sinks_and_window_the_first_query_token_reads_the_student(window, sinks):
+    """On one layer the teacher and its student see the same q, k, v, so converting the prompt with the
+    student's sinks and window - 1 (the prompt tokens still in its window at the first query token)
+    gives the student's output at that token: exact once the student's own epsilon is 0. Keeping
+    none of them exact (sinks 0, window 0) is far off."""
+    cfg = linicl.preset("tiny-llama", dtype="float64", max_len=64, n_layers=1)
+    model, variables = init(cfg, 1)
+    student = linicl.Transformer(LZ.student_config(cfg, window=window, sinks=sinks).replace(attn_eps=0.0))
+    maps = _random_maps(LZ.student_variables(student, variables), seed=window)
+    n = 11
+    prompt, query = tokens(31, 1, n, cfg.vocab_size), tokens(32, 3, 1, cfg.vocab_size)
+    target = _prompted(student, maps, prompt, query)  # maps hold every parameter of the student
+
+    def converted(**kw):
+        return apply(model, iclca.convert_approx(model, variables, prompt, kernel="learned", maps=maps, **kw),
+                     query)
+    assert rel_err(converted(sinks=sinks, window=window - 1), target) <= EXACT_RTOL
+    assert rel_err(converted(), target) >= 1e-3
 
 
 def test_trained_maps_keep_more_of_the_prompt(teacher):

@@ -38,12 +38,14 @@ def test_linear_models_get_the_exact_conversion(cfg, seed):
 
 @examples(0.4)
 @given(cfg=softmax_configs(), n=st.integers(1, 10), m=st.integers(1, 6),
-       kernel=st.sampled_from(["taylor2", "prf", "elu+1"]), seed=st.integers(0, 2**16))
-def test_a_prompt_kept_as_sink_tokens_is_exact(cfg, n, m, kernel, seed):
-    """With every prompt token kept exact nothing is linearised: the conversion is exact."""
+       kernel=st.sampled_from(["taylor2", "prf", "elu+1"]), split=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_a_prompt_kept_exact_is_exact(cfg, n, m, kernel, split, seed):
+    """With every prompt token kept exact (the first ``sinks``, the last ``window``) nothing is
+    linearised: the conversion is exact, however the prompt is split between the two."""
     model, variables = init(cfg, seed)
     prompt, query = tokens(seed, 1, n, cfg.vocab_size), tokens(seed + 1, 2, m, cfg.vocab_size)
-    converted = iclca.convert_approx(model, variables, prompt, kernel=kernel, sinks=n)
+    sinks = int(split * n)
+    converted = iclca.convert_approx(model, variables, prompt, kernel=kernel, sinks=sinks, window=n - sinks)
     target = _prompted(model, variables, prompt, query)
     assert rel_err(apply(model, converted, query), target) <= EXACT_RTOL
     assert rel_err(apply(model, variables, query), target) >= BASELINE_MIN
@@ -125,7 +127,11 @@ def test_bad_arguments_are_refused():
                           (dict(form="concat"), "form must be one of"),
                           (dict(form="mix", lam=1.5), "lam must lie in"),
                           (dict(sinks=7), "sinks must be an int in \\[0, 6\\]"),
-                          (dict(form="mix", sinks=6), "at least one linearised")]:
+                          (dict(window=-1), "window must be an int in \\[0, 6\\]"),
+                          (dict(sinks=2, window=5), "window must be an int in \\[0, 4\\]"),
+                          (dict(sinks=True), "sinks must be an int"),
+                          (dict(form="mix", sinks=6), "at least one linearised"),
+                          (dict(form="mix", sinks=2, window=4), "at least one linearised")]:
         with pytest.raises(LiniclError, match=match):
             iclca.convert_approx(model, variables, prompt, **kwargs)
     with pytest.raises(SequenceTooLongError):
