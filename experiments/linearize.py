@@ -45,6 +45,9 @@ TRAIN_TASKS = ("sst2", "trec", "agnews", "cb", "antonym", "synonym", "present-pa
                "capitalize", "country-capital", "country-currency", "english-french", "english-spanish",
                "landmark-country", "person-occupation", "sentiment")
 BOS_FLAG = {"auto": None, "on": True, "off": False}
+# The unmodified softmax model with its demonstrations as learned-kernel terms, and the control: the same
+# conversion with those terms dropped (only the sinks and the window's prompt tokens left).
+APPROX, KEPT_ONLY = "softmax + learned-kernel prompt", "softmax + kept prompt tokens only"
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf", "llama-tiny.gguf")
 
 
@@ -183,7 +186,8 @@ def icl_cell(teacher, tv, student, sv, tok, task, k: int, args) -> dict:
         approx = iclca.convert_approx(teacher, tv, jnp.asarray(prompts[0].tokens[:n])[None],
                                       kernel="learned", maps=sv, sinks=min(cfg.sinks, n),
                                       window=min(max(cfg.window - 1, 0), max(n - cfg.sinks, 0)))
-        res["softmax + learned-kernel prompt"] = evaluate_prompts(teacher, approx, **dict(common, prompts=alone))
+        res[APPROX] = evaluate_prompts(teacher, approx, **dict(common, prompts=alone))
+        res[KEPT_ONLY] = evaluate_prompts(teacher, iclca.drop_approx_terms(approx), **dict(common, prompts=alone))
     row = {m: r.summary() | {"correct": r.correct.astype(int).tolist(), "predictions": list(r.predictions)}
            for m, r in res.items()}
     if "student converted" in res:  # exact conversion: the same answers, by construction
@@ -203,10 +207,10 @@ def gains(rows: dict, args) -> dict:
         g = stats.gain(few["softmax"]["correct"], zero["softmax"]["correct"])
         rec = stats.recovered(few["student"]["correct"], few["softmax"]["correct"], zero["softmax"]["correct"])
         out[name] = dict(k=k, gain=g._asdict(), student_recovered=None if rec is None else rec._asdict())
-        if "softmax + learned-kernel prompt" in few:
-            ap = stats.recovered(few["softmax + learned-kernel prompt"]["correct"], few["softmax"]["correct"],
-                                 zero["softmax"]["correct"])
-            out[name]["learned_kernel_recovered"] = None if ap is None else ap._asdict()
+        for m, field in ((APPROX, "learned_kernel_recovered"), (KEPT_ONLY, "kept_only_recovered")):
+            if m in few:
+                ap = stats.recovered(few[m]["correct"], few["softmax"]["correct"], zero["softmax"]["correct"])
+                out[name][field] = None if ap is None else ap._asdict()
     return out
 
 
@@ -220,7 +224,7 @@ def pooled_gain(rows: dict, args) -> dict | None:
     flat = lambda cell, m: np.concatenate([rows[f"{t} k={cell}"][m]["correct"] for t in names])  # noqa: E731
     zero, few = flat(0, "softmax"), flat(k, "softmax")
     out = dict(k=k, tasks=names, n=int(zero.size), gain=stats.gain(few, zero)._asdict())
-    for m in ("student", "softmax + learned-kernel prompt"):
+    for m in ("student", APPROX, KEPT_ONLY):
         if all(m in rows[f"{t} k={k}"] for t in names):
             rec = stats.recovered(flat(k, m), few, zero)
             out[m] = None if rec is None else rec._asdict()
@@ -253,7 +257,7 @@ def tables(report: dict) -> str:
             for m, v in ho.items()]
     lines += [reporting.markdown_table(["model", "mean", "gap"] + buckets, rows), ""]
     lines += ["ICL accuracy, % [95 % Wilson] (exact match; (const) = one answer for every query):", ""]
-    methods = ["softmax", "student", "student converted", "softmax + learned-kernel prompt"]
+    methods = ["softmax", "student", "student converted", APPROX, KEPT_ONLY]
     rows = []
     for cell, res in report["icl"].items():
         rows.append([cell + ("" if res.get("converted_same_answers", True) else " (CONVERTED DIFFERS)")] + [(f"{100 * res[m]['accuracy']:.1f} [{100 * res[m]['ci_low']:.1f}, {100 * res[m]['ci_high']:.1f}]"
@@ -263,16 +267,24 @@ def tables(report: dict) -> str:
     def share(r):
         return "n.s. gain" if r is None else f"{r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
     rows = [[t, g["k"], f"{100 * g['gain']['value']:.1f} [{100 * g['gain']['low']:.1f}, {100 * g['gain']['high']:.1f}]",
-             share(g["student_recovered"]), share(g.get("learned_kernel_recovered"))]
+             share(g["student_recovered"]), share(g.get("learned_kernel_recovered")),
+             share(g.get("kept_only_recovered"))]
             for t, g in report["gains"].items()]
     pooled = report.get("pooled_gain")
     if pooled:
         g = pooled["gain"]
         rows.append([f"all {len(pooled['tasks'])} tasks, pooled (n={pooled['n']})", pooled["k"],
                      f"{100 * g['value']:.1f} [{100 * g['low']:.1f}, {100 * g['high']:.1f}]",
-                     share(pooled.get("student")), share(pooled.get("softmax + learned-kernel prompt"))])
-    lines += [reporting.markdown_table(["task", "k", "softmax gain, points", "student keeps",
-                                        "softmax + learned-kernel prompt keeps"], rows), ""]
+                     share(pooled.get("student")), share(pooled.get(APPROX)), share(pooled.get(KEPT_ONLY))])
+    lines += [reporting.markdown_table(["task", "k", "softmax gain, points", "student keeps", f"{APPROX} keeps",
+                                        f"{KEPT_ONLY} keeps"], rows), ""]
+    sig = [g for g in report["gains"].values() if g["student_recovered"] is not None]  # a significant gain
+    for field, m in (("student_recovered", "student"), ("learned_kernel_recovered", APPROX),
+                     ("kept_only_recovered", KEPT_ONLY)):
+        half = sum(1 for g in sig if (g.get(field) or {}).get("value", 0) >= 0.5)
+        lines += [f"{m}: at least half of the gain on {half} of the {len(sig)} tasks with a significant gain "
+                  f"(of {len(report['gains'])} tasks)."]
+    lines += [""]
     shortest = min((c["prompt_tokens"] for c in report["icl"].values() if c.get("prompt_tokens")), default=None)
     if shortest is not None:
         lines += [f"Shortest converted prompt: {shortest} tokens (student window "
@@ -289,7 +301,7 @@ def _icl_panel(ax, icl: dict):
     """Accuracy pooled over every task's queries (equal n per task: the mean over tasks) against k,
     with its 95 % Wilson interval."""
     for m, style in (("softmax", "o-"), ("student", "s--"), ("student converted", "^:"),
-                     ("softmax + learned-kernel prompt", "x-.")):
+                     (APPROX, "x-."), (KEPT_ONLY, "d:")):
         counts = {}  # k -> [correct, n]
         for cell in icl.values():
             r = cell.get(m)  # "student converted" has no k = 0 cell: nothing to convert

@@ -464,6 +464,22 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     return {**variables, PROMPT_APPROX: layers, POSITION: {"offset": jnp.asarray(n, jnp.int32)}}
 
 
+def drop_approx_terms(converted: Variables) -> dict:
+    """``convert_approx``'s variables with every layer's kernel terms B, b set to 0: the query then
+    reads only the prompt tokens kept exact (``sinks``, ``window``) at their positions. The control
+    that says what the kernel adds: a kernel that keeps nothing scores like this."""
+    layers = converted.get(PROMPT_APPROX) if isinstance(converted, Mapping) else None
+    if not layers:
+        raise LiniclError("converted holds no approximated prompt (the variables of iclca.convert_approx)")
+    if any(layer["attn"]["approx"].lam is not None for layer in layers.values()):
+        raise LiniclError("form='mix' reads the kernel terms under their own normaliser (N / Z): with "
+                          "B = b = 0 it is 0 / 0; drop them from a 'shared' or 'hybrid' conversion")
+    dropped = {scope: {"attn": {"approx": layer["attn"]["approx"].replace(
+        B=jnp.zeros_like(layer["attn"]["approx"].B), b=jnp.zeros_like(layer["attn"]["approx"].b))}}
+        for scope, layer in layers.items()}
+    return {**converted, PROMPT_APPROX: dropped}
+
+
 def _fit_fn(model, kernel: str, lin: tuple, n: int):
     """jit(variables, tokens, Ws) -> per layer (A [H, R, F], Y [H, R, d+1]): the weighted regression
     rows phi(q_r) / M_r and targets [N_r, Z_r] / M_r, M_r being the query's total softmax mass."""

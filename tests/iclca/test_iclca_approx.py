@@ -51,6 +51,28 @@ def test_a_prompt_kept_exact_is_exact(cfg, n, m, kernel, split, seed):
     assert rel_err(apply(model, variables, query), target) >= BASELINE_MIN
 
 
+@pytest.mark.parametrize("kernel", ["taylor2", "prf"])
+def test_dropping_the_kernel_terms_leaves_the_kept_tokens(kernel):
+    """Without positions a softmax layer sees a set of keys, and on one layer a key does not depend on
+    the tokens before it, so a conversion with its kernel terms dropped is the model prompted with the
+    kept tokens alone: the first sinks and the last window."""
+    cfg = linicl.ModelConfig(attention="softmax", positions="none", n_layers=1, d_model=16, n_heads=2,
+                             vocab_size=32, dtype="float64")
+    model, variables = init(cfg, 4)
+    n, sinks, window = 9, 2, 3
+    prompt, query = tokens(41, 1, n, cfg.vocab_size), tokens(42, 2, 4, cfg.vocab_size)
+    converted = iclca.convert_approx(model, variables, prompt, kernel=kernel, sinks=sinks, window=window)
+    kept = jnp.concatenate([prompt[:, :sinks], prompt[:, n - window:]], axis=1)
+    target = _prompted(model, variables, kept, query)
+    assert rel_err(apply(model, iclca.drop_approx_terms(converted), query), target) <= EXACT_RTOL
+    assert rel_err(apply(model, converted, query), target) >= BASELINE_MIN
+    with pytest.raises(LiniclError, match="no approximated prompt"):
+        iclca.drop_approx_terms(variables)
+    mixed = iclca.convert_approx(model, variables, prompt, form="mix", sinks=sinks)
+    with pytest.raises(LiniclError, match="0 / 0"):
+        iclca.drop_approx_terms(mixed)
+
+
 def _one_layer(alpha: float, seed: int = 0):
     """A one-layer softmax model whose query/key kernels are scaled by alpha: logits scale by alpha^2."""
     cfg = linicl.ModelConfig(attention="softmax", positions="rope", n_layers=1, d_model=16, n_heads=2,

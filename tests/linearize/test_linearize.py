@@ -156,6 +156,8 @@ def test_quick_experiment_runs_and_the_converted_student_answers_as_the_prompted
     assert {"softmax", "student"} <= set(report["held_out"])
     cells = [c for c in report["icl"].values() if "student converted" in c]
     assert cells and all(c["converted_same_answers"] for c in cells)
+    # The learned-kernel conversion of the softmax model and its control (kernel terms dropped).
+    assert all({"softmax + learned-kernel prompt", "softmax + kept prompt tokens only"} <= set(c) for c in cells)
     assert report["timing"][0]["state_floats"] == report["timing"][1]["state_floats"]  # independent of n
     assert "Held-out next-token loss" in run.stdout
     # An interrupted evaluation resumes: the finished cells come back from OUT/progress.json unchanged
