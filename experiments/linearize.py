@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--maps", default=None, help="load trained maps instead of training")
+    p.add_argument("--train-only", action="store_true",
+                   help="stage 1 only: write OUT/maps.safetensors and OUT/stage1.json (wall time, tokens), "
+                        "no evaluation")
     p.add_argument("--from-checkpoint", default=None,
                    help="evaluate the maps of a stage-1 checkpoint as far as it got (an unfinished run)")
     p.add_argument("--eval-seqs", type=int, default=16)
@@ -87,6 +90,8 @@ def parse_args(argv=None):
         args.train_seqs, args.seq_len, args.steps, args.batch_size = 16, 32, 4, 4
         args.eval_seqs, args.eval_len, args.tasks, args.k, args.n_eval = 4, 64, args.tasks or ["antonym"], [0, 1], 4
         args.window, args.sinks, args.lengths = 4, 1, [32, 128]
+    if args.train_only and (args.maps or args.from_checkpoint):
+        p.error("--train-only trains the maps; it cannot be combined with --maps or --from-checkpoint")
     for name in ("steps", "train_seqs", "seq_len", "batch_size", "eval_seqs", "eval_len", "n_eval"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -357,6 +362,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     teacher, tv, tok, source = load_teacher(args)
     student, sv, s1 = stage1(teacher, tv, tok, args)
+    if args.train_only:
+        s1.update(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                  machine=reporting.machine_info())
+        reporting.write_json(os.path.join(args.out, "stage1.json"), s1)
+        print(f"stage 1: {args.steps} steps, {s1['tokens_seen']} tokens, {s1['wall_s']:.1f} s; "
+              f"wrote {args.out}/maps.safetensors and stage1.json")
+        return 0
     report = dict(settings=vars(args), model=dict(source=source, student=student.cfg.describe()), stage1=s1,
                   machine=reporting.machine_info())
     prog = reporting.Progress(os.path.join(args.out, "progress.json"),

@@ -85,7 +85,7 @@ EXPERIMENTS = {
         note="the shipped maps were trained by `python experiments/linearize.py` (its defaults: 200 steps "
              "of 4 sequences of 512 tokens, 409,600 tokens of few-shot text from the training splits; "
              "window 16, sinks 4). That process ran 5,524 s of stage 1 on 2 shared cores, 27 min of it "
-             "paused; unshared, a step took about 13 s. The table was last written by `--resume`, which reused "
+             "paused; on 2 quiet cores a step takes 11-13 s (`--train-only --steps 12` minus `--steps 2`). The table was last written by `--resume`, which reused "
              "every ICL cell and the held-out loss, added the kernel-adds line and timed the queries again; "
              "the wall time is the full run's."),
     "linearize_w0": dict(

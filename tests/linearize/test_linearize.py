@@ -170,6 +170,19 @@ def test_quick_experiment_runs_and_the_converted_student_answers_as_the_prompted
     assert resumed["resumed"] and resumed["icl"] == report["icl"] and resumed["held_out"] == report["held_out"]
 
 
+def test_train_only_writes_the_maps_and_the_stage1_record(tmp_path):
+    """--train-only: stage 1 alone (e.g. to time it), maps and a JSON record, no evaluation (--quick: 4 steps)."""
+    cmd = [sys.executable, str(REPO / "experiments" / "linearize.py"), "--quick", "--no-progress", "--train-only",
+           "--out", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    record = json.loads((tmp_path / "stage1.json").read_text())
+    assert record["steps"] == 4 and record["tokens_seen"] == 4 * 4 * 32 and record["wall_s"] > 0
+    assert (tmp_path / "maps.safetensors").exists() and not (tmp_path / "linearize.json").exists()
+    bad = subprocess.run(cmd + ["--maps", str(tmp_path / "maps.safetensors")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--train-only" in bad.stderr
+
+
 @pytest.mark.skipif(not os.environ.get("CI") and not LZ.SMOLLM2_MAPS.is_file(), reason="no shipped maps here")
 def test_shipped_smollm2_maps_load_and_convert_prompts_exactly():
     """The committed SmolLM2 maps (experiments/linearize.py): small, loadable in one call, and the
