@@ -5,6 +5,9 @@ model whose prompt is a finite state (and so converts into weights exactly).
    trained so that every layer's attention output matches the softmax layer's on the teacher's own
    inputs, on few-shot text rendered from the tasks' training splits. Resumable (``OUT/stage1.safetensors``);
    the trained maps are written to ``OUT/maps.safetensors`` (``--maps PATH`` loads maps instead).
+   Optional stage 2 (``--stage2-steps N``; ``linicl.linearize.train_lora``): a rank-``--lora-rank``
+   correction of the attention projections trained on the teacher's next-token distribution (KL),
+   resumable (``OUT/stage2.safetensors``), stored in ``OUT/maps.safetensors`` beside the maps.
 2. Held-out next-token loss (text rendered from the test splits, never trained on) of the softmax
    model and the student, by position bucket; also the student read with other windows/sinks than it
    was trained with (the same maps: says how much the window carries).
@@ -66,6 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--stage2-steps", type=int, default=0,
+                   help="stage 2: steps of LoRA distillation against the teacher's logits (0: none)")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--stage2-lr", type=float, default=1e-3)
+    p.add_argument("--stage2-batch-size", type=int, default=2)
     p.add_argument("--maps", default=None, help="load trained maps instead of training")
     p.add_argument("--train-only", action="store_true",
                    help="stage 1 only: write OUT/maps.safetensors and OUT/stage1.json (wall time, tokens), "
@@ -92,8 +100,11 @@ def parse_args(argv=None):
         args.window, args.sinks, args.lengths = 4, 1, [32, 128]
     if args.train_only and (args.maps or args.from_checkpoint):
         p.error("--train-only trains the maps; it cannot be combined with --maps or --from-checkpoint")
-    for name in ("steps", "train_seqs", "seq_len", "batch_size", "eval_seqs", "eval_len", "n_eval"):
-        if getattr(args, name) < (0 if name == "steps" else 1):
+    if args.quick and args.stage2_steps:
+        args.stage2_steps, args.lora_rank = min(args.stage2_steps, 3), min(args.lora_rank, 2)
+    for name in ("steps", "stage2_steps", "train_seqs", "seq_len", "batch_size", "stage2_batch_size", "lora_rank",
+                 "eval_seqs", "eval_len", "n_eval"):
+        if getattr(args, name) < (0 if name in ("steps", "stage2_steps") else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
 
@@ -102,6 +113,12 @@ def load_teacher(args):
     max_len = max(args.eval_len, max(args.lengths) + 64, 2048)
     loaded = linicl.lm.load(args.model, max_len=max_len, require_tokenizer=True)
     return loaded.model, loaded.variables, loaded.tokenizer, str(loaded.source)
+
+
+def train_text(tok, args):
+    return linearize.training_sequences(tok, TRAIN_TASKS if not args.quick else ("antonym", "sst2"),
+                                        n=args.train_seqs, length=args.seq_len, seed=args.seed,
+                                        data_dir=args.data_dir)
 
 
 def stage1(teacher, tv, tok, args):
@@ -118,9 +135,7 @@ def stage1(teacher, tv, tok, args):
                             meta=dict(tokens=tokens, steps=info["step"], teacher=args.model or "SmolLM2"))
         return student, sv, dict(history=info["history"], tokens_seen=tokens, steps_reached=info["step"],
                                  of_steps=info["settings"]["steps"], checkpoint=args.from_checkpoint)
-    seqs = linearize.training_sequences(tok, TRAIN_TASKS if not args.quick else ("antonym", "sst2"),
-                                        n=args.train_seqs, length=args.seq_len, seed=args.seed,
-                                        data_dir=args.data_dir)
+    seqs = train_text(tok, args)
     t0 = time.perf_counter()
     sv, hist = linearize.train_maps(teacher, tv, student, sv, seqs, steps=args.steps, batch_size=args.batch_size,
                                     lr=args.lr, seed=args.seed, progress=args.progress,
@@ -134,11 +149,31 @@ def stage1(teacher, tv, tok, args):
                              train_sequences=list(seqs.shape))
 
 
-def held_out(teacher, tv, student, sv, tok, args) -> dict:
+def stage2(teacher, tv, student, sv, tok, args, s1: dict):
+    """LoRA distillation on the stage-1 student (the same training text); the maps file gets the
+    correction beside the maps. Returns the corrected variables and the stage's record."""
+    seqs = train_text(tok, args)
+    t0 = time.perf_counter()
+    sv2, correction, hist = linearize.train_lora(
+        teacher, tv, student, sv, seqs, rank=args.lora_rank, steps=args.stage2_steps,
+        batch_size=args.stage2_batch_size, lr=args.stage2_lr, seed=args.seed, progress=args.progress,
+        checkpoint=os.path.join(args.out, "stage2.safetensors"))
+    tokens = args.stage2_steps * args.stage2_batch_size * args.seq_len
+    meta = dict(tokens=s1.get("tokens_seen", (s1.get("meta") or {}).get("tokens")), stage2_tokens=tokens, stage2_steps=args.stage2_steps,
+                lora_rank=args.lora_rank, seq_len=args.seq_len, teacher=args.model or "SmolLM2")
+    linearize.save_maps(os.path.join(args.out, "maps.safetensors"), student, sv2, meta=meta, lora=correction)
+    return sv2, dict(history=hist._asdict(), wall_s=time.perf_counter() - t0, tokens_seen=tokens,
+                     rank=args.lora_rank, lr=args.stage2_lr)
+
+
+def held_out(teacher, tv, student, sv, tok, args, stage1_sv=None) -> dict:
+    """Next-token loss of held-out text; ``stage1_sv``: the student before stage 2 (a row of its own)."""
     seqs = linearize.training_sequences(tok, args.tasks, n=args.eval_seqs, length=args.eval_len,
                                         seed=args.seed + 1, split="test", data_dir=args.data_dir)
     out = {"softmax": linearize.next_token_loss(teacher, tv, seqs, batch_size=2),
            "student": linearize.next_token_loss(student, sv, seqs, batch_size=2)}
+    if stage1_sv is not None:
+        out["student, stage 1 only"] = linearize.next_token_loss(student, stage1_sv, seqs, batch_size=2)
     for window, sinks in ((0, 0), (0, args.sinks), (args.window, 0), (4 * args.window, args.sinks)):
         if (window, sinks) == (args.window, args.sinks):
             continue
@@ -264,6 +299,11 @@ def tables(report: dict) -> str:
     rows = [[m, f"{v['mean']:.3f}", f"{v['mean'] - ho['softmax']['mean']:+.3f}"] + [f"{v['by_position'][b]:.3f}" for b in buckets]
             for m, v in ho.items()]
     lines += [reporting.markdown_table(["model", "mean", "gap"] + buckets, rows), ""]
+    s2 = report.get("stage2")
+    if s2:
+        kl = s2["history"]["kl"]
+        lines += [f"Stage 2 (LoRA rank {s2['rank']} on q, k, v, o; {s2['tokens_seen']} tokens): KL to the teacher "
+                  f"{kl[0]:.3f} -> {kl[-1]:.3f} nats per token (training batches).", ""]
     lines += ["ICL accuracy, % [95 % Wilson] (exact match; (const) = one answer for every query):", ""]
     methods = ["softmax", "student", "student converted", APPROX, KEPT_ONLY]
     rows = []
@@ -362,19 +402,23 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     teacher, tv, tok, source = load_teacher(args)
     student, sv, s1 = stage1(teacher, tv, tok, args)
+    s2, sv1 = None, sv
+    if args.stage2_steps:
+        sv, s2 = stage2(teacher, tv, student, sv, tok, args, s1)
     if args.train_only:
         s1.update(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                  machine=reporting.machine_info())
+                  machine=reporting.machine_info(), stage2=s2)
         reporting.write_json(os.path.join(args.out, "stage1.json"), s1)
         print(f"stage 1: {args.steps} steps, {s1['tokens_seen']} tokens, {s1['wall_s']:.1f} s; "
               f"wrote {args.out}/maps.safetensors and stage1.json")
         return 0
     report = dict(settings=vars(args), model=dict(source=source, student=student.cfg.describe()), stage1=s1,
-                  machine=reporting.machine_info())
+                  stage2=s2, machine=reporting.machine_info())
     prog = reporting.Progress(os.path.join(args.out, "progress.json"),
                               reporting.fingerprint(vars(args), ignore=PROGRESS_IGNORES), args.resume)
     report["resumed"] = prog.resumed
-    report["held_out"] = prog.get("held_out") or prog.put("held_out", held_out(teacher, tv, student, sv, tok, args))
+    report["held_out"] = prog.get("held_out") or prog.put("held_out", held_out(
+        teacher, tv, student, sv, tok, args, stage1_sv=sv1 if s2 else None))
     report["icl"] = icl(teacher, tv, student, sv, tok, args, prog)
     report["gains"] = gains(report["icl"], args)
     report["pooled_gain"] = pooled_gain(report["icl"], args)

@@ -10,11 +10,16 @@ language.
 * ``transfer``: stage 1, attention transfer: every layer's attention output matched to the
   teacher's on the teacher's own inputs (one teacher pass per batch, all layers in one step),
   resumable, data parallel over the visible devices.
+* ``lora`` and ``distill``: stage 2 (optional), a low-rank correction of the attention projections
+  trained so that the whole student's next-token distribution matches the teacher's (KL), merged
+  into the kernels: the student stays a finite-state zoo model.
 * ``quality``: next-token loss by position bucket, to compare the student with its teacher.
 * ``maps``: save and load the trained maps (one safetensors file plus its settings); ``smollm2()``:
   linearized SmolLM2-135M-Instruct with the maps shipped in the package.
 """
 
+from linicl.linearize import lora
+from linicl.linearize.distill import DistillHistory, kl_to_teacher, train_lora
 from linicl.linearize.maps import SMOLLM2_MAPS, load_maps, save_maps, smollm2
 from linicl.linearize.quality import next_token_loss
 from linicl.linearize.student import merge, split, student_config, student_variables
@@ -22,5 +27,5 @@ from linicl.linearize.text import training_sequences
 from linicl.linearize.transfer import History, maps_from_checkpoint, teacher_targets, train_maps
 
 __all__ = ["student_config", "student_variables", "split", "merge", "training_sequences", "teacher_targets",
-           "train_maps", "maps_from_checkpoint", "History", "next_token_loss", "save_maps", "load_maps", "smollm2",
-           "SMOLLM2_MAPS"]
+           "train_maps", "maps_from_checkpoint", "History", "lora", "train_lora", "kl_to_teacher",
+           "DistillHistory", "next_token_loss", "save_maps", "load_maps", "smollm2", "SMOLLM2_MAPS"]

@@ -1,6 +1,8 @@
 """The trained maps as a file: the student's new parameters only (a few MB), in the checkpoint format
 of every training loop (``linicl.checkpoint``: safetensors plus JSON settings). The teacher's own
-weights are not copied: loading needs the teacher, and rebuilds the student from it."""
+weights are not copied: loading needs the teacher, and rebuilds the student from it. A stage-2
+correction (``linicl.linearize.lora``) is stored beside the maps (under ``"lora"``, its rank and targets
+in the settings) and merged into the kernels on loading."""
 
 from __future__ import annotations
 
@@ -12,24 +14,32 @@ import jax.numpy as jnp
 
 from linicl import checkpoint as ckpt
 from linicl.errors import DataError
+from linicl.linearize import lora as L
 from linicl.linearize.student import merge, split, student_config, student_variables
 from linicl.names import PARAMS
 
 FORMAT = "linicl.linearize.maps"
 _OPTIONS = ("window", "sinks", "feature_size", "rope_on")
+_LORA = "lora"
 
 
-def save_maps(path, student, student_variables: Mapping, meta: Optional[dict] = None):
-    """Write the student's maps and gates, with the options that rebuild it from its teacher."""
+def save_maps(path, student, student_variables: Mapping, meta: Optional[dict] = None,
+              lora: Optional[Mapping] = None):
+    """Write the student's maps and gates, with the options that rebuild it from its teacher, and the
+    stage-2 correction ``lora`` if given (``train_lora``'s second result)."""
     trained, _ = split(student_variables[PARAMS])
-    trained = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), trained)  # one stored dtype
     settings = dict(kind=FORMAT, **{k: getattr(student.cfg, k) for k in _OPTIONS})
+    if lora is not None:
+        trained = {**trained, _LORA: lora}
+        settings.update(lora_rank=L.rank_of(lora),
+                        lora_targets=sorted({t for s in lora.values() for t in s["attn"]}, key=L.TARGETS.index))
+    trained = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), trained)  # one stored dtype
     return ckpt.save(path, trained, settings=settings, meta=dict(meta or {}))
 
 
 def load_maps(path, teacher, teacher_variables: Mapping, *, dtype: Optional[str] = None):
     """``(student, student_variables, meta)``: the teacher's student with the maps of ``path`` (in the
-    teacher's dtype unless ``dtype``)."""
+    teacher's dtype unless ``dtype``), and the file's stage-2 correction merged into its kernels."""
     head = ckpt.header(path)
     if head.settings.get("kind") != FORMAT:
         raise DataError(f"{path} is a linicl checkpoint but not a file of linearized maps (save_maps)")
@@ -40,10 +50,15 @@ def load_maps(path, teacher, teacher_variables: Mapping, *, dtype: Optional[str]
     student = type(teacher)(cfg)
     variables = student_variables(student, teacher_variables)
     template, frozen = split(variables[PARAMS])
+    rank = head.settings.get("lora_rank")
+    if rank:
+        template = {**template, _LORA: L.init(variables[PARAMS], rank=rank, targets=head.settings["lora_targets"])}
     stored = jax.tree_util.tree_map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32), template)
     trained, meta = ckpt.load(path, stored, settings=head.settings)
     trained = jax.tree_util.tree_map(lambda a, t: jnp.asarray(a, t.dtype), trained, template)
-    return student, {**variables, PARAMS: merge(trained, frozen)}, meta
+    correction = trained.pop(_LORA, None)
+    params = merge(trained, frozen)
+    return student, {**variables, PARAMS: params if correction is None else L.apply(params, correction)}, meta
 
 
 # The maps trained on SmolLM2-135M-Instruct by experiments/linearize.py, shipped with the package.

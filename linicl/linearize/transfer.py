@@ -96,7 +96,7 @@ def _step_fn(student, tx):
     return jax.jit(step)
 
 
-def _batch(sequences: np.ndarray, step: int, batch_size: int, seed: int) -> np.ndarray:
+def step_batch(sequences: np.ndarray, step: int, batch_size: int, seed: int) -> np.ndarray:
     """The sequences of one step: epoch-wise permutations drawn from the seed (resumable)."""
     n = len(sequences)
     per_epoch = max(1, n // batch_size)
@@ -144,7 +144,7 @@ def train_maps(teacher, teacher_variables, student, student_variables, sequences
     step_fn = _step_fn(student, tx)
     bar = tqdm(total=steps, initial=start, desc="attention transfer", disable=not progress)
     for t in range(start, steps):
-        tokens = shard_batch(_batch(sequences, t, batch_size, seed), mesh)
+        tokens = shard_batch(step_batch(sequences, t, batch_size, seed), mesh)
         X, A = teacher_targets(teacher, teacher_variables, tokens)
         trained, opt, total, per_layer = step_fn(trained, frozen, opt, X, A)
         if t % log_every == 0 or t == steps - 1:
@@ -176,4 +176,4 @@ def maps_from_checkpoint(path, student, student_variables):
     return {**student_variables, PARAMS: params}, info
 
 
-__all__ = ["History", "teacher_targets", "layer_losses", "train_maps", "maps_from_checkpoint"]
+__all__ = ["History", "teacher_targets", "layer_losses", "step_batch", "train_maps", "maps_from_checkpoint"]

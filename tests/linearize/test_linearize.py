@@ -80,16 +80,16 @@ def test_training_resumes_bit_identically(teacher, sequences, tmp_path, monkeypa
     whole, _ = LZ.train_maps(model, variables, student, sv, sequences, **common)
 
     path = tmp_path / "stage1.safetensors"
-    real = transfer._batch
+    real = transfer.step_batch
 
     def stop_at_4(seqs, step, *a):
         if step == 4:
             raise KeyboardInterrupt
         return real(seqs, step, *a)
-    monkeypatch.setattr(transfer, "_batch", stop_at_4)
+    monkeypatch.setattr(transfer, "step_batch", stop_at_4)
     with pytest.raises(KeyboardInterrupt):
         LZ.train_maps(model, variables, student, sv, sequences, checkpoint=path, **common)
-    monkeypatch.setattr(transfer, "_batch", real)
+    monkeypatch.setattr(transfer, "step_batch", real)
     resumed, hist = LZ.train_maps(model, variables, student, sv, sequences, checkpoint=path, **common)
     same = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), whole["params"], resumed["params"])
     assert jax.tree_util.tree_all(same) and hist.step[-1] == 5
@@ -204,3 +204,18 @@ def test_shipped_smollm2_maps_load_and_convert_prompts_exactly():
     ref = model.apply(variables, jnp.concatenate([prompt, query], 1))[:, prompt.shape[1]:]
     assert rel_err(model.apply(converted, query), ref) <= 1e-4
     assert rel_err(model.apply(variables, query), ref) >= 1e-2
+
+
+def test_stage2_in_the_experiment_stores_the_correction_with_the_maps(tmp_path):
+    """--stage2-steps: LoRA distillation after stage 1 (--quick: 3 steps at most), recorded with its KL,
+    and the maps file carries the correction (loading it gives the corrected student)."""
+    cmd = [sys.executable, str(REPO / "experiments" / "linearize.py"), "--quick", "--no-progress", "--train-only",
+           "--stage2-steps", "2", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    s2 = json.loads((tmp_path / "stage1.json").read_text())["stage2"]
+    assert s2["tokens_seen"] == 2 * 2 * 32 and len(s2["history"]["kl"]) == 2 and s2["rank"] == 2
+    from linicl import checkpoint
+    head = checkpoint.header(tmp_path / "maps.safetensors")
+    assert head.settings["lora_rank"] == 2 and head.meta["stage2_steps"] == 2
+    assert (tmp_path / "stage2.safetensors").exists()

@@ -1,0 +1,132 @@
+"""Stage 2 of linearization: a low-rank correction of the student's attention projections
+(``linicl.linearize.lora``) trained to make the whole student predict like its teacher
+(linearization.md section 4; LoLCATs arXiv 2410.10254).
+
+Stage 1 matches every layer on the *teacher's* inputs; run end to end, the student's errors compound
+through the layers. Stage 2 trains on the student's own forward pass: for a batch of text the teacher
+runs once and gives its logits, and the correction minimises the mean over positions of
+
+    KL(p_teacher || p_student) = sum_v p_teacher(v) (log p_teacher(v) - log p_student(v)).
+
+Everything else stays frozen (the teacher's weights and the stage-1 maps). The student is run with the
+correction merged into its kernels (``lora.apply``), so it stays an ordinary finite-state zoo model.
+Seeds, checkpoints and data parallelism work as in stage 1 (``linicl.linearize.transfer``): the same
+settings resume bit-identically, and a checkpoint of other settings (or of other maps) is refused.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from linicl import checkpoint as ckpt
+from linicl import compiled
+from linicl.errors import LiniclError
+from linicl.linearize import lora as L
+from linicl.linearize.student import split
+from linicl.linearize.transfer import step_batch
+from linicl.names import PARAMS
+from linicl.parallel import device_mesh, replicate, shard_batch
+
+TRAINER = "linicl.linearize.train_lora"
+
+
+class DistillHistory(NamedTuple):
+    """Per logged step: the step and the batch's mean KL(teacher || student) in nats."""
+
+    step: list
+    kl: list
+
+
+def _teacher_logits_fn(teacher):
+    def run(variables, tokens):
+        return teacher.apply(variables, tokens).astype(jnp.float32)
+    return compiled.get(("linearize.teacher_logits", teacher), lambda: jax.jit(run))
+
+
+def kl_to_teacher(student_logits, teacher_logits):
+    """``f[]``: mean over positions of KL(teacher || student), logits ``f[batch, T, vocab]``."""
+    lp_t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
+    lp_s = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+    return jnp.mean(jnp.sum(jnp.exp(lp_t) * (lp_t - lp_s), axis=-1))
+
+
+def _step_fn(student, tx):
+    def loss(correction, params, tokens, target):
+        return kl_to_teacher(student.apply({PARAMS: L.apply(params, correction)}, tokens), target)
+
+    def step(correction, opt, params, tokens, target):
+        kl, grads = jax.value_and_grad(loss)(correction, params, tokens, target)
+        updates, opt = tx.update(grads, opt, correction)
+        return optax.apply_updates(correction, updates), opt, kl
+    return jax.jit(step)
+
+
+def _maps_sum(params) -> float:
+    """A fingerprint of the stage-1 maps a run starts from (a resumed run must start from the same)."""
+    trained, _ = split(params)
+    return float(sum(np.abs(np.asarray(x, np.float64)).sum() for x in jax.tree_util.tree_leaves(trained)))
+
+
+def _settings(student, params, sequences, rank, targets, steps, batch_size, lr, seed) -> dict:
+    return dict(trainer=TRAINER, student=student.cfg.describe(), rank=rank, targets=list(targets), steps=steps,
+                batch_size=batch_size, lr=lr, seed=seed, sequences=list(sequences.shape),
+                data_sum=int(np.asarray(sequences, np.int64).sum()), maps_sum=round(_maps_sum(params), 6))
+
+
+def train_lora(teacher, teacher_variables, student, student_variables, sequences, *, rank: int = 8,
+               targets: Sequence[str] = L.TARGETS, steps: int = 100, batch_size: int = 4, lr: float = 1e-3,
+               seed: int = 0, log_every: int = 10, checkpoint=None, checkpoint_every: int = 25,
+               progress: bool = True, mesh=None):
+    """Stage 2: train a rank-``rank`` correction of the student's ``targets`` projections so that the
+    student's next-token distribution matches the teacher's on ``sequences: int32[n, T]``.
+
+    Returns ``(student_variables, correction, DistillHistory)``: the variables with the correction
+    merged into the kernels (an ordinary student), and the correction itself (``lora.init``'s tree;
+    ``save_maps(..., lora=correction)`` stores it with the maps)."""
+    if student.cfg.attention != "linear" or teacher.cfg.attention != "softmax":
+        raise LiniclError("train_lora needs a softmax teacher and its linear student (student_config)")
+    if not isinstance(steps, int) or steps < 1 or not isinstance(batch_size, int) or batch_size < 1:
+        raise LiniclError(f"steps and batch_size must be positive ints, got {steps!r}, {batch_size!r}")
+    sequences = np.asarray(sequences, np.int32)
+    if sequences.ndim != 2 or len(sequences) < batch_size:
+        raise LiniclError(f"sequences must be int32[n >= batch_size, T], got shape {sequences.shape}")
+    mesh = device_mesh() if mesh is None else mesh
+    if batch_size % mesh.size:
+        raise LiniclError(f"batch_size ({batch_size}) must divide by the {mesh.size} devices")
+    params = student_variables[PARAMS]
+    correction = L.init(params, rank=rank, seed=seed, targets=targets)
+    tx = optax.adam(lr)
+    opt = tx.init(correction)
+    history, start = DistillHistory([], []), 0
+    settings = _settings(student, params, sequences, rank, tuple(targets), steps, batch_size, lr, seed)
+    if checkpoint is not None and ckpt.exists(checkpoint):
+        state, meta = ckpt.load(checkpoint, {"lora": correction, "opt": opt}, settings=settings)
+        correction, opt = jax.tree_util.tree_map(jnp.asarray, (state["lora"], state["opt"]))
+        start, history = int(meta["step"]), DistillHistory(*meta["history"])
+    params_r, teacher_variables = replicate(params, mesh), replicate(teacher_variables, mesh)
+    step_fn, teacher_fn = _step_fn(student, tx), _teacher_logits_fn(teacher)
+    bar = tqdm(total=steps, initial=start, desc="stage 2 (LoRA)", disable=not progress)
+    for t in range(start, steps):
+        tokens = shard_batch(step_batch(sequences, t, batch_size, seed + 1), mesh)
+        target = teacher_fn(teacher_variables, tokens)
+        correction, opt, kl = step_fn(correction, opt, params_r, tokens, target)
+        if t % log_every == 0 or t == steps - 1:
+            history.step.append(t)
+            history.kl.append(float(kl))
+            bar.set_postfix(kl=f"{float(kl):.4f}")
+        bar.update(1)
+        if checkpoint is not None and ((t + 1) % checkpoint_every == 0 or t == steps - 1):
+            ckpt.save(checkpoint, {"lora": correction, "opt": opt}, settings=settings,
+                      meta={"step": t + 1, "history": list(history)})
+    bar.close()
+    correction = jax.tree_util.tree_map(jnp.asarray, correction)
+    return {**student_variables, PARAMS: L.apply(params, correction)}, correction, history
+
+
+__all__ = ["DistillHistory", "kl_to_teacher", "train_lora"]
