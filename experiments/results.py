@@ -12,6 +12,10 @@ resume from their own checkpoints when they support it). The headline of a secti
 experiment itself stored in its JSON (``"table"``; intervals included), else the table it printed.
 Small PNG plots are copied to ``docs/figures/`` (committed) and linked. Each section also says what
 the papers publish to compare with, and says so when they publish nothing comparable.
+
+``results/`` is not committed, so a fresh checkout has none of it: an experiment with no result there
+keeps the section the current RESULTS.md already has for it (its measured numbers and linked figure
+stay), and only an experiment that was never measured reads "Not run yet".
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -183,11 +188,26 @@ def _machine(report: dict) -> str:
     return ", ".join(f"{k} {m[k]}" for k in ("platform", "cpu_count", "jax") if k in m)
 
 
-def section(name: str, results: Path, figures: Path, base: Path) -> str:
+def existing_sections(path: Path) -> dict:
+    """``{title: text}`` of the sections of the RESULTS.md at ``path`` (none if it does not exist)."""
+    if not path.exists():
+        return {}
+    parts = re.split(r"^## ", path.read_text(), flags=re.M)[1:]
+    # ``write`` joins sections with "\n": every part but the last ends with that separator
+    parts = [p[:-1] if i < len(parts) - 1 and p.endswith("\n") else p for i, p in enumerate(parts)]
+    return {part.split("\n", 1)[0].strip(): "## " + part for part in parts}
+
+
+def section(name: str, results: Path, figures: Path, base: Path, kept: Optional[dict] = None) -> str:
+    """The RESULTS.md section of ``name`` from ``results/``; without a result there, the section of
+    ``kept`` (the current file's) of the same title if it holds a measurement."""
     spec = EXPERIMENTS[name]
     out = _out(results, name)
     head = f"## {spec['title']}\n\n"
     if not (out / spec["json"]).exists():
+        old = (kept or {}).get(spec["title"])
+        if old and "Not run yet" not in old:
+            return old
         return head + f"Not run yet: `python experiments/results.py --run --only {name}`.\n"
     report = json.loads((out / spec["json"]).read_text())
     run = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
@@ -213,7 +233,8 @@ def write(results: Path, path: Path, figures: Path) -> None:
              "regenerates this file; `python experiments/results.py --run --only NAME` one section). "
              "Accuracies carry 95 % Wilson intervals and differences of methods on the same queries paired "
              "bootstrap intervals (`linicl.stats`).\n"]
-    parts += [section(name, results, figures, path.parent) for name in EXPERIMENTS]
+    kept = existing_sections(path)
+    parts += [section(name, results, figures, path.parent, kept) for name in EXPERIMENTS]
     path.write_text("\n".join(parts))
     print(f"wrote {path}")
 
