@@ -51,6 +51,7 @@ BOS_FLAG = {"auto": None, "on": True, "off": False}
 # The unmodified softmax model with its demonstrations as learned-kernel terms, and the control: the same
 # conversion with those terms dropped (only the sinks and the window's prompt tokens left).
 APPROX, KEPT_ONLY = "softmax + learned-kernel prompt", "softmax + kept prompt tokens only"
+STAGE1 = "student, stage 1 only"  # with --stage2-steps: the student before its LoRA correction
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf", "llama-tiny.gguf")
 
 
@@ -89,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--bos", choices=list(BOS_FLAG), default="auto")
     p.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 4096],
                    help="prompt lengths of the timing table")
+    p.add_argument("--skip-approx", action="store_true",
+                   help="leave the softmax model's learned-kernel conversion (and its control) out of the ICL table")
     p.add_argument("--resume", action="store_true",
                    help="reuse the held-out losses and ICL cells an earlier run with the same settings left in "
                         "OUT/progress.json (written after every cell)")
@@ -184,7 +187,7 @@ def held_out(teacher, tv, student, sv, tok, args, stage1_sv=None) -> dict:
     return out
 
 
-def icl(teacher, tv, student, sv, tok, args, prog: reporting.Progress) -> dict:
+def icl(teacher, tv, student, sv, tok, args, prog: reporting.Progress, stage1_sv=None) -> dict:
     """Per task and k: softmax, student, student with the demonstrations converted (query alone), and
     the softmax model with the demonstrations as learned-kernel bias terms. Each finished (task, k) cell
     is saved in ``prog`` at once and reused by a resumed run."""
@@ -199,27 +202,31 @@ def icl(teacher, tv, student, sv, tok, args, prog: reporting.Progress) -> dict:
         bar.set_postfix_str(key)
         if prog.get(key) is None:
             t0 = time.perf_counter()
-            prog.put(key, icl_cell(teacher, tv, student, sv, tok, data.load_task(name, args.data_dir), k, args)
-                     | {"wall_s": time.perf_counter() - t0})
+            prog.put(key, icl_cell(teacher, tv, student, sv, tok, data.load_task(name, args.data_dir), k, args,
+                                   stage1_sv) | {"wall_s": time.perf_counter() - t0})
         bar.update(1)
     bar.close()
     return {f"{name} k={k}": prog.get(f"{name} k={k}") for name in args.tasks for k in args.k}
 
 
-def icl_cell(teacher, tv, student, sv, tok, task, k: int, args) -> dict:
-    """One (task, k) cell of ``icl``: every method's summary, correct flags and predictions."""
+def icl_cell(teacher, tv, student, sv, tok, task, k: int, args, stage1_sv=None) -> dict:
+    """One (task, k) cell of ``icl``: every method's summary, correct flags and predictions
+    (``stage1_sv``: the student before stage 2, one more method)."""
     name = task.name
     prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval,
                                   same_demos=True, add_bos=BOS_FLAG[args.bos])
     common = dict(tokenizer=tok, prompts=prompts, task=name, k=k, progress=False)
     res = {"softmax": evaluate_prompts(teacher, tv, **common),
            "student": evaluate_prompts(student, sv, **common)}
+    if stage1_sv is not None:
+        res[STAGE1] = evaluate_prompts(student, stage1_sv, **common)
     n = prompts[0].query_start
     if n:  # the shared demonstrations (and BOS) become the student's weights
         converted = iclca.convert(student, sv, jnp.asarray(prompts[0].tokens[:n])[None])
         alone = [dataclasses.replace(p, tokens=p.tokens[n:], roles=p.roles[n:], query_start=0)
                  for p in prompts]
         res["student converted"] = evaluate_prompts(student, converted, **dict(common, prompts=alone))
+    if n and not args.skip_approx:
         # The unmodified softmax model with its demonstrations as learned-kernel bias terms; the
         # student's sinks and the prompt tokens in its window at the first query token stay exact.
         cfg = student.cfg
@@ -247,7 +254,8 @@ def gains(rows: dict, args) -> dict:
         g = stats.gain(few["softmax"]["correct"], zero["softmax"]["correct"])
         rec = stats.recovered(few["student"]["correct"], few["softmax"]["correct"], zero["softmax"]["correct"])
         out[name] = dict(k=k, gain=g._asdict(), student_recovered=None if rec is None else rec._asdict())
-        for m, field in ((APPROX, "learned_kernel_recovered"), (KEPT_ONLY, "kept_only_recovered")):
+        for m, field in ((APPROX, "learned_kernel_recovered"), (KEPT_ONLY, "kept_only_recovered"),
+                         (STAGE1, "stage1_recovered")):
             if m in few:
                 ap = stats.recovered(few[m]["correct"], few["softmax"]["correct"], zero["softmax"]["correct"])
                 out[name][field] = None if ap is None else ap._asdict()
@@ -264,7 +272,7 @@ def pooled_gain(rows: dict, args) -> dict | None:
     flat = lambda cell, m: np.concatenate([rows[f"{t} k={cell}"][m]["correct"] for t in names])  # noqa: E731
     zero, few = flat(0, "softmax"), flat(k, "softmax")
     out = dict(k=k, tasks=names, n=int(zero.size), gain=stats.gain(few, zero)._asdict())
-    for m in ("student", APPROX, KEPT_ONLY):
+    for m in ("student", STAGE1, APPROX, KEPT_ONLY):
         if all(m in rows[f"{t} k={k}"] for t in names):
             rec = stats.recovered(flat(k, m), few, zero)
             out[m] = None if rec is None else rec._asdict()
@@ -305,7 +313,8 @@ def tables(report: dict) -> str:
         lines += [f"Stage 2 (LoRA rank {s2['rank']} on q, k, v, o; {s2['tokens_seen']} tokens): KL to the teacher "
                   f"{kl[0]:.3f} -> {kl[-1]:.3f} nats per token (training batches).", ""]
     lines += ["ICL accuracy, % [95 % Wilson] (exact match; (const) = one answer for every query):", ""]
-    methods = ["softmax", "student", "student converted", APPROX, KEPT_ONLY]
+    present = lambda m: any(m in c for c in report["icl"].values())  # noqa: E731
+    methods = [m for m in ("softmax", "student", STAGE1, "student converted", APPROX, KEPT_ONLY) if present(m)]
     rows = []
     for cell, res in report["icl"].items():
         rows.append([cell + ("" if res.get("converted_same_answers", True) else " (CONVERTED DIFFERS)")] + [(f"{100 * res[m]['accuracy']:.1f} [{100 * res[m]['ci_low']:.1f}, {100 * res[m]['ci_high']:.1f}]"
@@ -314,26 +323,26 @@ def tables(report: dict) -> str:
     lines += ["Share of the softmax model's few-shot gain the student keeps (only where the gain is significantly positive):", ""]
     def share(r):
         return "n.s. gain" if r is None else f"{r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
-    rows = [[t, g["k"], f"{100 * g['gain']['value']:.1f} [{100 * g['gain']['low']:.1f}, {100 * g['gain']['high']:.1f}]",
-             share(g["student_recovered"]), share(g.get("learned_kernel_recovered")),
-             share(g.get("kept_only_recovered"))]
-            for t, g in report["gains"].items()]
+    # (method, its field in report["gains"]): the methods this run evaluated
+    kept = [(m, f) for m, f in (("student", "student_recovered"), (STAGE1, "stage1_recovered"),
+                                (APPROX, "learned_kernel_recovered"), (KEPT_ONLY, "kept_only_recovered")) if present(m)]
+    rows = [[t, g["k"], f"{100 * g['gain']['value']:.1f} [{100 * g['gain']['low']:.1f}, {100 * g['gain']['high']:.1f}]"]
+            + [share(g.get(f)) for _, f in kept] for t, g in report["gains"].items()]
     pooled = report.get("pooled_gain")
     if pooled:
         g = pooled["gain"]
         rows.append([f"all {len(pooled['tasks'])} tasks, pooled (n={pooled['n']})", pooled["k"],
-                     f"{100 * g['value']:.1f} [{100 * g['low']:.1f}, {100 * g['high']:.1f}]",
-                     share(pooled.get("student")), share(pooled.get(APPROX)), share(pooled.get(KEPT_ONLY))])
-    lines += [reporting.markdown_table(["task", "k", "softmax gain, points", "student keeps", f"{APPROX} keeps",
-                                        f"{KEPT_ONLY} keeps"], rows), ""]
+                     f"{100 * g['value']:.1f} [{100 * g['low']:.1f}, {100 * g['high']:.1f}]"]
+                    + [share(pooled.get(m)) for m, _ in kept])
+    lines += [reporting.markdown_table(["task", "k", "softmax gain, points"] + [f"{m} keeps" for m, _ in kept],
+                                       rows), ""]
     if pooled and "kernel_adds" in pooled:
         d = pooled["kernel_adds"]
         lines += [f"The learned kernel's terms add {100 * d['value']:+.1f} [{100 * d['low']:+.1f}, "
                   f"{100 * d['high']:+.1f}] points of pooled k={pooled['k']} accuracy over the kept tokens alone "
                   f"(paired bootstrap, same queries).", ""]
     sig = [g for g in report["gains"].values() if g["student_recovered"] is not None]  # a significant gain
-    for field, m in (("student_recovered", "student"), ("learned_kernel_recovered", APPROX),
-                     ("kept_only_recovered", KEPT_ONLY)):
+    for m, field in kept:
         half = sum(1 for g in sig if (g.get(field) or {}).get("value", 0) >= 0.5)
         lines += [f"{m}: at least half of the gain on {half} of the {len(sig)} tasks with a significant gain "
                   f"(of {len(report['gains'])} tasks)."]
@@ -353,7 +362,7 @@ def tables(report: dict) -> str:
 def _icl_panel(ax, icl: dict):
     """Accuracy pooled over every task's queries (equal n per task: the mean over tasks) against k,
     with its 95 % Wilson interval."""
-    for m, style in (("softmax", "o-"), ("student", "s--"), ("student converted", "^:"),
+    for m, style in (("softmax", "o-"), ("student", "s--"), (STAGE1, "v--"), ("student converted", "^:"),
                      (APPROX, "x-."), (KEPT_ONLY, "d:")):
         counts = {}  # k -> [correct, n]
         for cell in icl.values():
@@ -419,7 +428,7 @@ def main(argv=None) -> int:
     report["resumed"] = prog.resumed
     report["held_out"] = prog.get("held_out") or prog.put("held_out", held_out(
         teacher, tv, student, sv, tok, args, stage1_sv=sv1 if s2 else None))
-    report["icl"] = icl(teacher, tv, student, sv, tok, args, prog)
+    report["icl"] = icl(teacher, tv, student, sv, tok, args, prog, stage1_sv=sv1 if s2 else None)
     report["gains"] = gains(report["icl"], args)
     report["pooled_gain"] = pooled_gain(report["icl"], args)
     report["timing"] = timing(student, sv, args)
