@@ -228,3 +228,17 @@ def json_numbers(tree) -> list:
     if isinstance(tree, list):
         return [x for v in tree for x in json_numbers(v)]
     return [tree] if isinstance(tree, (int, float)) and not isinstance(tree, bool) else []
+
+
+def interrupt_at(monkeypatch, module, name: str, step: int):
+    """Make ``module.name(sequences, step, ...)`` (a training loop's batch function) raise
+    ``KeyboardInterrupt`` at ``step``, as a run killed there would stop; returns the real function
+    (``monkeypatch.setattr(module, name, real)`` undoes it)."""
+    real = getattr(module, name)
+
+    def stopping(seqs, t, *a):
+        if t == step:
+            raise KeyboardInterrupt
+        return real(seqs, t, *a)
+    monkeypatch.setattr(module, name, stopping)
+    return real

@@ -26,12 +26,11 @@ from tqdm.auto import tqdm
 
 from linicl import checkpoint as ckpt
 from linicl import compiled
-from linicl.errors import LiniclError
 from linicl.linearize import lora as L
 from linicl.linearize.student import split
-from linicl.linearize.transfer import step_batch
+from linicl.linearize.transfer import check_training, step_batch
 from linicl.names import PARAMS
-from linicl.parallel import device_mesh, replicate, shard_batch
+from linicl.parallel import replicate, shard_batch
 
 TRAINER = "linicl.linearize.train_lora"
 
@@ -89,16 +88,7 @@ def train_lora(teacher, teacher_variables, student, student_variables, sequences
     Returns ``(student_variables, correction, DistillHistory)``: the variables with the correction
     merged into the kernels (an ordinary student), and the correction itself (``lora.init``'s tree;
     ``save_maps(..., lora=correction)`` stores it with the maps)."""
-    if student.cfg.attention != "linear" or teacher.cfg.attention != "softmax":
-        raise LiniclError("train_lora needs a softmax teacher and its linear student (student_config)")
-    if not isinstance(steps, int) or steps < 1 or not isinstance(batch_size, int) or batch_size < 1:
-        raise LiniclError(f"steps and batch_size must be positive ints, got {steps!r}, {batch_size!r}")
-    sequences = np.asarray(sequences, np.int32)
-    if sequences.ndim != 2 or len(sequences) < batch_size:
-        raise LiniclError(f"sequences must be int32[n >= batch_size, T], got shape {sequences.shape}")
-    mesh = device_mesh() if mesh is None else mesh
-    if batch_size % mesh.size:
-        raise LiniclError(f"batch_size ({batch_size}) must divide by the {mesh.size} devices")
+    sequences, mesh = check_training("train_lora", teacher, student, sequences, steps, batch_size, mesh)
     params = student_variables[PARAMS]
     correction = L.init(params, rank=rank, seed=seed, targets=targets)
     tx = optax.adam(lr)

@@ -105,6 +105,21 @@ def step_batch(sequences: np.ndarray, step: int, batch_size: int, seed: int) -> 
     return sequences[order[j * batch_size:(j + 1) * batch_size]]
 
 
+def check_training(who: str, teacher, student, sequences, steps, batch_size, mesh):
+    """``(sequences as int32[n, T], mesh)`` after checking a training loop's arguments (both stages)."""
+    if student.cfg.attention != "linear" or teacher.cfg.attention != "softmax":
+        raise LiniclError(f"{who} needs a softmax teacher and its linear student (student_config)")
+    if not isinstance(steps, int) or steps < 1 or not isinstance(batch_size, int) or batch_size < 1:
+        raise LiniclError(f"steps and batch_size must be positive ints, got {steps!r}, {batch_size!r}")
+    sequences = np.asarray(sequences, np.int32)
+    if sequences.ndim != 2 or len(sequences) < batch_size:
+        raise LiniclError(f"sequences must be int32[n >= batch_size, T], got shape {sequences.shape}")
+    mesh = device_mesh() if mesh is None else mesh
+    if batch_size % mesh.size:
+        raise LiniclError(f"batch_size ({batch_size}) must divide by the {mesh.size} devices")
+    return sequences, mesh
+
+
 def _settings(student, sequences, steps, batch_size, lr, seed) -> dict:
     return dict(trainer="linicl.linearize.train_maps", student=student.cfg.describe(),
                 window=student.cfg.window, sinks=student.cfg.sinks, feature_size=student.cfg.feature_size,
@@ -120,16 +135,7 @@ def train_maps(teacher, teacher_variables, student, student_variables, sequences
 
     Returns ``(student_variables, History)``. ``checkpoint``: a file path to save to and resume from
     (a file of other settings is refused, naming the difference)."""
-    if student.cfg.attention != "linear" or teacher.cfg.attention != "softmax":
-        raise LiniclError("train_maps needs a softmax teacher and its linear student (student_config)")
-    if not isinstance(steps, int) or steps < 1 or not isinstance(batch_size, int) or batch_size < 1:
-        raise LiniclError(f"steps and batch_size must be positive ints, got {steps!r}, {batch_size!r}")
-    sequences = np.asarray(sequences, np.int32)
-    if sequences.ndim != 2 or len(sequences) < batch_size:
-        raise LiniclError(f"sequences must be int32[n >= batch_size, T], got shape {sequences.shape}")
-    mesh = device_mesh() if mesh is None else mesh
-    if batch_size % mesh.size:
-        raise LiniclError(f"batch_size ({batch_size}) must divide by the {mesh.size} devices")
+    sequences, mesh = check_training("train_maps", teacher, student, sequences, steps, batch_size, mesh)
     trained, frozen = split(student_variables[PARAMS])
     tx = optax.adam(lr)
     opt = tx.init(trained)
@@ -176,4 +182,4 @@ def maps_from_checkpoint(path, student, student_variables):
     return {**student_variables, PARAMS: params}, info
 
 
-__all__ = ["History", "teacher_targets", "layer_losses", "step_batch", "train_maps", "maps_from_checkpoint"]
+__all__ = ["History", "teacher_targets", "layer_losses", "step_batch", "check_training", "train_maps", "maps_from_checkpoint"]

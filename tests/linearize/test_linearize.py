@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BASELINE_MIN, EXACT_RTOL, REPO, rel_err
+from helpers import BASELINE_MIN, EXACT_RTOL, REPO, interrupt_at, rel_err
 
 import linicl
 from linicl import linearize as LZ
@@ -80,13 +80,7 @@ def test_training_resumes_bit_identically(teacher, sequences, tmp_path, monkeypa
     whole, _ = LZ.train_maps(model, variables, student, sv, sequences, **common)
 
     path = tmp_path / "stage1.safetensors"
-    real = transfer.step_batch
-
-    def stop_at_4(seqs, step, *a):
-        if step == 4:
-            raise KeyboardInterrupt
-        return real(seqs, step, *a)
-    monkeypatch.setattr(transfer, "step_batch", stop_at_4)
+    real = interrupt_at(monkeypatch, transfer, "step_batch", 4)
     with pytest.raises(KeyboardInterrupt):
         LZ.train_maps(model, variables, student, sv, sequences, checkpoint=path, **common)
     monkeypatch.setattr(transfer, "step_batch", real)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BASELINE_MIN, EXACT_RTOL, rel_err
+from helpers import BASELINE_MIN, EXACT_RTOL, interrupt_at, rel_err
 
 import linicl
 from linicl import linearize as LZ
@@ -91,13 +91,7 @@ def test_stage2_resumes_bit_identically(pair, tmp_path, monkeypatch):
     common = dict(rank=2, steps=5, batch_size=8, lr=1e-2, progress=False, checkpoint_every=2)
     whole, _, _ = LZ.train_lora(teacher, tv, student, sv, seqs, **common)
     path = tmp_path / "stage2.safetensors"
-    real = distill.step_batch
-
-    def stop_at_3(s, step, *a):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real(s, step, *a)
-    monkeypatch.setattr(distill, "step_batch", stop_at_3)
+    real = interrupt_at(monkeypatch, distill, "step_batch", 3)
     with pytest.raises(KeyboardInterrupt):
         LZ.train_lora(teacher, tv, student, sv, seqs, checkpoint=path, **common)
     monkeypatch.setattr(distill, "step_batch", real)
