@@ -95,12 +95,23 @@ EXPERIMENTS = {
              "the wall time is the full run's."),
     "linearize_w0": dict(
         title="Linearized SmolLM2 without a window (window 0, sinks 0)",
-        cmd=["experiments/linearize.py", "--window", "0", "--sinks", "0", "--k", "0", "8", "--resume"],
+        # 128-token training text: the defaults when it ran (before the 512-token maps), written out
+        cmd=["experiments/linearize.py", "--window", "0", "--sinks", "0", "--seq-len", "128", "--train-seqs", "512",
+             "--batch-size", "16", "--k", "0", "8", "--resume"],
         quick=["--quick"], json="linearize.json", plots=["linearize.png"],
         reference="Hedgehog (arXiv 2402.04347) linearizes without a window (GPT-2 125M: 16.7 WikiText-103 "
                   "perplexity); LoLCATs (arXiv 2410.10254) adds the window. Neither reports "
                   "SmolLM2 or prompt conversion.",
-        note="stage 1 ran over two sessions, resumed from its checkpoint; the wall time is the last process's."),
+        note="stage 1 on 128-token text (200 steps of 16 x 128 tokens; the defaults then, written out in the "
+             "command) ran over two sessions, resumed from its checkpoint; the wall time is the last process's."),
+    "linearize_w0_s2": dict(
+        title="Linearized SmolLM2 without a window: 512-token stage 1, then LoRA stage 2 (window 0, sinks 0)",
+        cmd=["experiments/linearize.py", "--window", "0", "--sinks", "0", "--stage2-steps", "100", "--k", "0", "8",
+             "--skip-approx", "--resume"],
+        quick=["--quick"], json="linearize.json", plots=["linearize.png"],
+        reference="LoLCATs (arXiv 2410.10254) trains LoRA after attention transfer and keeps a window of 64; "
+                  "Hedgehog (arXiv 2402.04347) fine-tunes its window-free GPT-2 (125M: 16.7 WikiText-103 "
+                  "perplexity). Neither reports SmolLM2 or prompt conversion."),
     "recall_capacity": dict(
         title="Recall capacity of the mixers on MQAR and in-context linear regression, prompted and converted",
         # resumes on its own: each trained mixer is a checkpoint in results/recall_capacity/checkpoints/
