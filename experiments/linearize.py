@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--rope-on", choices=("inputs", "features"), default="inputs")
     p.add_argument("--train-seqs", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--sampled-seqs", type=int, default=0,
+                   help="add this many sequences sampled from the teacher (each continuing the first 8 tokens "
+                        "of a training sequence) to the training text")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-2)
@@ -105,9 +108,9 @@ def parse_args(argv=None):
         p.error("--train-only trains the maps; it cannot be combined with --maps or --from-checkpoint")
     if args.quick and args.stage2_steps:
         args.stage2_steps, args.lora_rank = min(args.stage2_steps, 3), min(args.lora_rank, 2)
-    for name in ("steps", "stage2_steps", "train_seqs", "seq_len", "batch_size", "stage2_batch_size", "lora_rank",
+    for name in ("steps", "stage2_steps", "sampled_seqs", "train_seqs", "seq_len", "batch_size", "stage2_batch_size", "lora_rank",
                  "eval_seqs", "eval_len", "n_eval"):
-        if getattr(args, name) < (0 if name in ("steps", "stage2_steps") else 1):
+        if getattr(args, name) < (0 if name in ("steps", "stage2_steps", "sampled_seqs") else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
 
@@ -118,10 +121,16 @@ def load_teacher(args):
     return loaded.model, loaded.variables, loaded.tokenizer, str(loaded.source)
 
 
-def train_text(tok, args):
-    return linearize.training_sequences(tok, TRAIN_TASKS if not args.quick else ("antonym", "sst2"),
+def train_text(teacher, tv, tok, args):
+    """Few-shot text from the training splits, plus ``--sampled-seqs`` rows sampled from the teacher."""
+    seqs = linearize.training_sequences(tok, TRAIN_TASKS if not args.quick else ("antonym", "sst2"),
                                         n=args.train_seqs, length=args.seq_len, seed=args.seed,
                                         data_dir=args.data_dir)
+    if not args.sampled_seqs:
+        return seqs
+    rows = np.random.default_rng([args.seed, 17]).integers(0, len(seqs), args.sampled_seqs)
+    sampled = linearize.sampled_sequences(teacher, tv, seqs[rows, :8], args.seq_len, seed=args.seed)
+    return np.concatenate([seqs, sampled])
 
 
 def stage1(teacher, tv, tok, args):
@@ -138,7 +147,7 @@ def stage1(teacher, tv, tok, args):
                             meta=dict(tokens=tokens, steps=info["step"], teacher=args.model or "SmolLM2"))
         return student, sv, dict(history=info["history"], tokens_seen=tokens, steps_reached=info["step"],
                                  of_steps=info["settings"]["steps"], checkpoint=args.from_checkpoint)
-    seqs = train_text(tok, args)
+    seqs = train_text(teacher, tv, tok, args)
     t0 = time.perf_counter()
     sv, hist = linearize.train_maps(teacher, tv, student, sv, seqs, steps=args.steps, batch_size=args.batch_size,
                                     lr=args.lr, seed=args.seed, progress=args.progress,
@@ -155,7 +164,7 @@ def stage1(teacher, tv, tok, args):
 def stage2(teacher, tv, student, sv, tok, args, s1: dict):
     """LoRA distillation on the stage-1 student (the same training text); the maps file gets the
     correction beside the maps. Returns the corrected variables and the stage's record."""
-    seqs = train_text(tok, args)
+    seqs = train_text(teacher, tv, tok, args)
     t0 = time.perf_counter()
     sv2, correction, hist = linearize.train_lora(
         teacher, tv, student, sv, seqs, rank=args.lora_rank, steps=args.stage2_steps,

@@ -6,7 +6,8 @@ language.
   softmax window and sinks; ``student_config``), its variables (the teacher's weights plus the new
   maps, ``student_variables``), and which parameters train (``split``/``merge``).
 * ``text``: training text that stays offline and away from evaluation queries (few-shot prompts
-  built from the data sets' training splits, rendered as one stream cut into sequences).
+  built from the data sets' training splits, rendered as one stream cut into sequences; or text
+  sampled from the teacher itself).
 * ``transfer``: stage 1, attention transfer: every layer's attention output matched to the
   teacher's on the teacher's own inputs (one teacher pass per batch, all layers in one step),
   resumable, data parallel over the visible devices.
@@ -23,9 +24,9 @@ from linicl.linearize.distill import DistillHistory, kl_to_teacher, train_lora
 from linicl.linearize.maps import SMOLLM2_MAPS, load_maps, save_maps, smollm2
 from linicl.linearize.quality import next_token_loss
 from linicl.linearize.student import merge, split, student_config, student_variables
-from linicl.linearize.text import training_sequences
+from linicl.linearize.text import sampled_sequences, training_sequences
 from linicl.linearize.transfer import History, maps_from_checkpoint, teacher_targets, train_maps
 
-__all__ = ["student_config", "student_variables", "split", "merge", "training_sequences", "teacher_targets",
-           "train_maps", "maps_from_checkpoint", "History", "lora", "train_lora", "kl_to_teacher",
+__all__ = ["student_config", "student_variables", "split", "merge", "training_sequences", "sampled_sequences",
+           "teacher_targets", "train_maps", "maps_from_checkpoint", "History", "lora", "train_lora", "kl_to_teacher",
            "DistillHistory", "next_token_loss", "save_maps", "load_maps", "smollm2", "SMOLLM2_MAPS"]

@@ -5,16 +5,21 @@ demonstration pools), are the text whose attention patterns matter most here (IC
 one after another into a token stream (shuffled, seeded) and cut into equal sequences. The same
 function on ``split="test"`` gives held-out text for the next-token-loss comparison: it is read, never
 trained on.
+
+``sampled_sequences`` gives the other offline source: text sampled from the teacher itself
+(data-free distillation), continuing given start tokens.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 
 from linicl.data import build_prompt, load_task, sample_demos, template_for
 from linicl.errors import LiniclError
+from linicl.generation import generate
 
 
 def _examples(task, split: str):
@@ -56,3 +61,24 @@ def training_sequences(tokenizer, tasks: Sequence[str], *, n: int, length: int, 
     if bos is not None:
         rows = np.concatenate([np.full((n, 1), bos, np.int32), rows], axis=1)
     return rows
+
+
+def sampled_sequences(teacher, variables, starts, length: int, *, seed: int = 0, temperature: float = 1.0,
+                      batch_size: int = 8) -> np.ndarray:
+    """``int32[n, length]``: each row of ``starts: int[n, s]`` (e.g. a BOS token, or the first tokens of
+    training prompts) continued by ``length - s`` tokens sampled from the teacher
+    (``linicl.generate`` with a key per batch of rows drawn from ``seed``)."""
+    starts = np.asarray(starts, np.int32)
+    if starts.ndim != 2 or starts.shape[0] < 1 or starts.shape[1] < 1:
+        raise LiniclError(f"starts must be int[n >= 1, s >= 1], got shape {starts.shape}")
+    if not isinstance(length, int) or length <= starts.shape[1]:
+        raise LiniclError(f"length must be an int above the start length {starts.shape[1]}, got {length!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise LiniclError(f"batch_size must be a positive int, got {batch_size!r}")
+    rows = []
+    for i in range(0, len(starts), batch_size):
+        key = jax.random.PRNGKey(np.uint32(seed * 1_000_003 + i))
+        new = generate(teacher, variables, starts[i:i + batch_size], length - starts.shape[1], key=key,
+                       temperature=temperature)
+        rows.append(np.concatenate([starts[i:i + batch_size], np.asarray(new, np.int32)], axis=1))
+    return np.concatenate(rows)

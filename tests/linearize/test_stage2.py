@@ -123,3 +123,21 @@ def test_the_correction_round_trips_with_the_maps(pair, tmp_path):
     plain = LZ.save_maps(tmp_path / "plain.safetensors", student, trained)
     _, sv3, _ = LZ.load_maps(plain, teacher, tv)
     assert rel_err(again.apply(sv3, x), student.apply(trained, x)) > 1e-4
+
+
+def test_sampled_text_is_the_teachers_own_samples(pair):
+    """linearize.sampled_sequences: the start tokens continued by the teacher's samples (the same as
+    linicl.generate with the batch's key), seeded, every id in the vocabulary; bad input named."""
+    teacher, tv, _, _, seqs = pair
+    starts = seqs[:5, :3]
+    a = LZ.sampled_sequences(teacher, tv, starts, 12, seed=4, batch_size=2)
+    assert a.shape == (5, 12) and a.dtype == np.int32 and np.array_equal(a[:, :3], starts)
+    assert np.all((a >= 0) & (a < teacher.cfg.vocab_size))
+    assert np.array_equal(a, LZ.sampled_sequences(teacher, tv, starts, 12, seed=4, batch_size=2))
+    assert not np.array_equal(a, LZ.sampled_sequences(teacher, tv, starts, 12, seed=5, batch_size=2))
+    first = linicl.generate(teacher, tv, jnp.asarray(starts[:2]), 9, key=jax.random.PRNGKey(np.uint32(4 * 1_000_003)))
+    assert np.array_equal(a[:2, 3:], np.asarray(first))
+    with pytest.raises(LiniclError, match="length"):
+        LZ.sampled_sequences(teacher, tv, starts, 3)
+    with pytest.raises(LiniclError, match="starts"):
+        LZ.sampled_sequences(teacher, tv, starts[0], 12)
