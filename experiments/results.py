@@ -111,7 +111,13 @@ EXPERIMENTS = {
         quick=["--quick"], json="linearize.json", plots=["linearize.png"],
         reference="LoLCATs (arXiv 2410.10254) trains LoRA after attention transfer and keeps a window of 64; "
                   "Hedgehog (arXiv 2402.04347) fine-tunes its window-free GPT-2 (125M: 16.7 WikiText-103 "
-                  "perplexity). Neither reports SmolLM2 or prompt conversion."),
+                  "perplexity). Neither reports SmolLM2 or prompt conversion.",
+        note="stage 1 ran first, as `--window 0 --sinks 0 --train-only` (200 steps of 4 x 512 tokens = "
+             "409,600 tokens, 4,335 s on 2 cores that it shared with test runs for about half of it); its "
+             "finished checkpoint was copied into OUT, so this command resumed it, and its wall time covers "
+             "stage 2 (100 steps of 2 x 512 tokens = 102,400 tokens, about 13 s a step) and the evaluation. "
+             "The learned-kernel conversion of the softmax model is left out (`--skip-approx`): the "
+             "windowed section measures it."),
     "recall_capacity": dict(
         title="Recall capacity of the mixers on MQAR and in-context linear regression, prompted and converted",
         # resumes on its own: each trained mixer is a checkpoint in results/recall_capacity/checkpoints/
