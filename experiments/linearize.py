@@ -133,7 +133,7 @@ def train_text(teacher, tv, tok, args):
     return np.concatenate([seqs, sampled])
 
 
-def stage1(teacher, tv, tok, args):
+def stage1(teacher, tv, tok, args, seqs):
     student = linicl.Transformer(linearize.student_config(
         teacher.cfg, window=args.window, sinks=args.sinks, feature_size=args.feature_size, rope_on=args.rope_on))
     if args.maps:
@@ -147,7 +147,6 @@ def stage1(teacher, tv, tok, args):
                             meta=dict(tokens=tokens, steps=info["step"], teacher=args.model or "SmolLM2"))
         return student, sv, dict(history=info["history"], tokens_seen=tokens, steps_reached=info["step"],
                                  of_steps=info["settings"]["steps"], checkpoint=args.from_checkpoint)
-    seqs = train_text(teacher, tv, tok, args)
     t0 = time.perf_counter()
     sv, hist = linearize.train_maps(teacher, tv, student, sv, seqs, steps=args.steps, batch_size=args.batch_size,
                                     lr=args.lr, seed=args.seed, progress=args.progress,
@@ -161,10 +160,9 @@ def stage1(teacher, tv, tok, args):
                              train_sequences=list(seqs.shape))
 
 
-def stage2(teacher, tv, student, sv, tok, args, s1: dict):
+def stage2(teacher, tv, student, sv, args, s1: dict, seqs):
     """LoRA distillation on the stage-1 student (the same training text); the maps file gets the
     correction beside the maps. Returns the corrected variables and the stage's record."""
-    seqs = train_text(teacher, tv, tok, args)
     t0 = time.perf_counter()
     sv2, correction, hist = linearize.train_lora(
         teacher, tv, student, sv, seqs, rank=args.lora_rank, steps=args.stage2_steps,
@@ -419,10 +417,14 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     teacher, tv, tok, source = load_teacher(args)
-    student, sv, s1 = stage1(teacher, tv, tok, args)
-    s2, sv1 = None, sv
+    trains_maps = not (args.maps or args.from_checkpoint)
+    # built once for both stages (teacher samples are costly), and only when a stage trains
+    seqs = train_text(teacher, tv, tok, args) if trains_maps or args.stage2_steps else None
+    student, sv, s1 = stage1(teacher, tv, tok, args, seqs)
+    s2, sv1 = None, None  # sv1: the student before stage 2, when there is one
     if args.stage2_steps:
-        sv, s2 = stage2(teacher, tv, student, sv, tok, args, s1)
+        sv1 = sv
+        sv, s2 = stage2(teacher, tv, student, sv, args, s1, seqs)
     if args.train_only:
         s1.update(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                   machine=reporting.machine_info(), stage2=s2)
@@ -436,8 +438,8 @@ def main(argv=None) -> int:
                               reporting.fingerprint(vars(args), ignore=PROGRESS_IGNORES), args.resume)
     report["resumed"] = prog.resumed
     report["held_out"] = prog.get("held_out") or prog.put("held_out", held_out(
-        teacher, tv, student, sv, tok, args, stage1_sv=sv1 if s2 else None))
-    report["icl"] = icl(teacher, tv, student, sv, tok, args, prog, stage1_sv=sv1 if s2 else None)
+        teacher, tv, student, sv, tok, args, stage1_sv=sv1))
+    report["icl"] = icl(teacher, tv, student, sv, tok, args, prog, stage1_sv=sv1)
     report["gains"] = gains(report["icl"], args)
     report["pooled_gain"] = pooled_gain(report["icl"], args)
     report["timing"] = timing(student, sv, args)
