@@ -8,6 +8,7 @@ sequence. ``pieces`` pairs the two: g, q with context and f, p for the reference
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -25,10 +26,35 @@ from linicl.nn.block import Block
 _GATE_PROJECTIONS = ("gate_proj", "beta_proj")
 
 
+def check_block_params(cfg: ModelConfig, block_params) -> None:
+    """``block_params`` must be one block's params (``variables["params"]["layers_<i>"]``): the tree
+    ``Block(cfg)`` would initialise, with the same paths and shapes. Only shapes are compared, so
+    traced params pass. A common slip, the whole model's params, is named as such."""
+    if not isinstance(block_params, Mapping):
+        raise LiniclError(f"block_params must be one block's params (a dict such as "
+                          f"variables['params']['layers_0']), got {type(block_params).__name__}")
+    if any(str(key).startswith("layers_") for key in block_params):
+        raise LiniclError("block_params must be one block's params, got the whole model's params (keys "
+                          f"{sorted(map(str, block_params))}): pass e.g. variables['params']['layers_0']")
+    d = cfg.d_model
+    expected = jax.eval_shape(lambda: Block(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1, d), cfg.jnp_dtype),
+                                                      jnp.zeros((1,), jnp.int32)))[names.PARAMS]
+    want = {jax.tree_util.keystr(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(expected)}
+    got = {jax.tree_util.keystr(p): tuple(jnp.shape(a)) for p, a in jax.tree_util.tree_leaves_with_path(block_params)}
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    wrong = sorted(k for k in set(want) & set(got) if want[k] != got[k])
+    if missing or extra or wrong:
+        detail = "; ".join(part for part in (
+            missing and f"missing {missing[:4]}", extra and f"unexpected {extra[:4]}",
+            wrong and "shapes " + ", ".join(f"{k}: {got[k]} (expected {want[k]})" for k in wrong[:4])) if part)
+        raise LiniclError(f"block_params is not one block of this config's model: {detail}")
+
+
 def _block_call(cfg: ModelConfig, block_params, Z, positions, interventions=None) -> dict:
     """Block on ``Z: f[batch, T, d]``: its output and every site it sows (one pass), plus the logits
     ``attn.gate_proj`` / ``attn.beta_proj`` ``f[batch, T, heads(, d_phi)]`` of a gated or delta-rule
     attention."""
+    check_block_params(cfg, block_params)
     variables = {names.PARAMS: block_params}
     if interventions:
         variables[names.INTERVENTIONS] = interventions

@@ -161,3 +161,24 @@ def test_convert_position_is_an_int_never_truncated():
     b = implicit.convert(model, variables, ctx, q, position=-2)
     kernel = lambda v: v["params"]["layers_0"]["mlp"]["fc_in"]["kernel"]  # noqa: E731
     assert rel_err(kernel(a), kernel(b)) <= EXACT_RTOL
+
+
+# ------------------------------------------------------------------------------------ block params
+def test_block_functions_name_the_whole_params_tree_instead_of_one_block():
+    """Before: Flax's ScopeParamNotFoundError ("Could not find parameter named scale in /ln1")."""
+    _, variables, bp, Z = _setup()
+    with pytest.raises(LiniclError, match=r"got the whole model's params .*variables\['params'\]\['layers_0'\]"):
+        implicit.trajectory(CFG, variables["params"], Z)
+    with pytest.raises(LiniclError, match=r"block_params must be one block's params .*got list"):
+        implicit.trajectory(CFG, [bp], Z)
+
+
+def test_block_functions_name_params_of_another_config():
+    """A block of a wider model (d_ff 8 -> 16) is refused by shape, naming the first mismatches."""
+    _, _, bp, Z = _setup()
+    wider = CFG.replace(d_ff=16)
+    with pytest.raises(LiniclError, match=r"not one block of this config's model: shapes \['mlp'\]"):
+        implicit.trajectory(wider, bp, Z)
+    sub = {k: v for k, v in bp.items() if k != "mlp"}
+    with pytest.raises(LiniclError, match=r"missing \[\"\['mlp'\]"):
+        implicit.block_sites(CFG, sub, Z)
