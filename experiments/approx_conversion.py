@@ -376,6 +376,21 @@ def _pooled_correct(cells: list) -> dict:
     return {m: np.concatenate([c[m] for c in cs]) for m in common}
 
 
+def best_variant(passes: dict, mean_fraction) -> tuple:
+    """``(best, tied)`` from ``passes`` ({variant: tasks where it recovers >= half of the gain}): the
+    variant passing on the most tasks, a tie broken by ``mean_fraction(variant)``; ``best`` is None when
+    no variant passes on any task (``tied``: every variant, all at 0) or when the leaders tie on both
+    (``tied``: the leaders). Naming one of equals "best" would report an order that is not there."""
+    if not passes:
+        return None, []
+    key = {v: (len(p), mean_fraction(v)) for v, p in passes.items()}
+    top = max(key.values())
+    leaders = [v for v in passes if key[v] == top]
+    if top[0] == 0:
+        return None, list(passes)
+    return (leaders[0], []) if len(leaders) == 1 else (None, leaders)
+
+
 def recovery(tasks: dict, variants: list) -> dict:
     """The few-shot gain recovered, per (task, k) and per task pooled over k (every (query, k) a pair),
     and the issue's target: the best variant recovers >= half of the gain on >= half of the tasks,
@@ -397,7 +412,7 @@ def recovery(tasks: dict, variants: list) -> dict:
         fs = [pooled[t]["fraction"][v]["value"] for t in with_gain if pooled[t]["fraction"][v] is not None]
         return float(np.mean(fs)) if fs else -math.inf
 
-    best = max(variants, key=lambda v: (len(passes[v]), mean_fraction(v))) if variants else None
+    best, tied = best_variant(passes, mean_fraction)
     need = math.ceil(len(pooled) / 2)
     per_k = {}
     for k in sorted({c["k"] for c in per_cell.values()}):
@@ -413,11 +428,13 @@ def recovery(tasks: dict, variants: list) -> dict:
                     "acc_zero is significant (paired bootstrap interval above 0). Primary (pooled): every "
                     "(query, k) of a task one pair. Target: one variant (the best) has fraction >= 0.5 on at "
                     "least ceil(#tasks / 2) of all evaluated tasks (a task without a significant gain counts "
-                    "as not recovered). collapsed: significantly below zero-shot. per_k: the same at each k."),
+                    "as not recovered). best_variant: the one passing on the most tasks (then the highest "
+                    "mean fraction); None with tied_variants when none passes on any task or the leaders "
+                    "tie. collapsed: significantly below zero-shot. per_k: the same at each k."),
         per_task_k=per_cell, per_task_pooled=pooled, tasks=len(pooled), tasks_with_gain=len(with_gain),
-        passing=passes, best_variant=best,
+        passing=passes, best_variant=best, tied_variants=tied,
         best_mean_fraction=None if best is None or not math.isfinite(mean_fraction(best)) else mean_fraction(best),
-        needed=need, target_met=bool(best is not None and with_gain and len(passes[best]) >= need),
+        needed=need, target_met=bool(with_gain) and max(map(len, passes.values()), default=0) >= need,
         per_k=per_k)
 
 
@@ -520,6 +537,19 @@ def fmt_recovered(p: dict, v: str) -> str:
     return text + (" collapsed" if p["collapsed"].get(v) else "")
 
 
+def best_line(rec: dict) -> str:
+    """The best variant and its count of tasks, or that there is none (every variant at 0) or a tie."""
+    best, tied = rec["best_variant"], rec.get("tied_variants", [])
+    if best is not None:
+        return f"best variant {best}: {len(rec['passing'][best])} of {rec['tasks']} tasks"
+    if not tied:
+        return "no variants"
+    passing = len(rec["passing"][tied[0]])
+    if passing == 0:
+        return f"no best variant: every variant recovers half the gain on 0 of {rec['tasks']} tasks"
+    return f"no single best variant: {', '.join(tied)} tie at {passing} of {rec['tasks']} tasks"
+
+
 def tables(report: dict) -> str:
     methods, rest, variants = list(BASE) + report["variants"], ["zero"] + report["variants"], report["variants"]
     table = reporting.markdown_table
@@ -551,8 +581,7 @@ def tables(report: dict) -> str:
                  "task one pair; 'n.s.': the few-shot gain is not significant, so no share is defined; "
                  "'collapsed': significantly below zero-shot):", "", gain,
              f"\nTarget (best variant recovers >= half the gain on >= half the tasks): "
-             f"{'MET' if rec['target_met'] else 'NOT MET'} (best variant {rec['best_variant']}: "
-             f"{len(rec['passing'].get(rec['best_variant'], []))} of {rec['tasks']} tasks, "
+             f"{'MET' if rec['target_met'] else 'NOT MET'} ({best_line(rec)}, "
              f"{rec['tasks_with_gain']} with a significant gain, {rec['needed']} needed)"]
     syn = report.get("synthetic")
     if syn and syn["methods"]:

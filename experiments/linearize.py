@@ -11,10 +11,11 @@ model whose prompt is a finite state (and so converts into weights exactly).
 2. Held-out next-token loss (text rendered from the test splits, never trained on) of the softmax
    model and the student, by position bucket; also the student read with other windows/sinks than it
    was trained with (the same maps: says how much the window carries).
-3. ICL: zero- and k-shot exact-match accuracy on word tasks for the softmax model, the student, and
-   the student after ``iclca.convert`` of the demonstrations (the query read alone: by construction
-   the same predictions, checked), with Wilson intervals and the share of the softmax model's
-   few-shot gain the student keeps (``linicl.stats``).
+3. ICL: zero- and k-shot accuracy (exact match on word tasks; on label tasks such as sst2 or cb,
+   label-restricted argmax over the label words, as ``linicl.evaluate`` scores them) for the softmax
+   model, the student, and the student after ``iclca.convert`` of the demonstrations (the query read
+   alone: by construction the same predictions, checked), with Wilson intervals and the share of the
+   softmax model's few-shot gain the student keeps (``linicl.stats``).
 4. Converted-query time and state size against prompt length, against the prompted student.
 
     python experiments/linearize.py --quick                  # tiny fixture model, CI-sized
@@ -39,6 +40,7 @@ from tqdm.auto import tqdm
 from linicl.compiled import enable_persistent_cache
 import linicl
 from linicl import data, iclca, linearize, reporting, stats
+from linicl.errors import LiniclError
 from linicl.evaluate import evaluate_prompts
 from linicl.memory import kv_cache_floats
 from linicl.metrics import rel_err
@@ -87,7 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-seqs", type=int, default=16)
     p.add_argument("--eval-len", type=int, default=512)
     p.add_argument("--tasks", nargs="+", default=None,
-                   help="word tasks for the ICL table (default: every open-ended task in the data directory)")
+                   help="tasks for the ICL table (default: every open-ended task in the data directory); a label "
+                        "task (sst2, cb, ...) is scored by its label words, each of which must be one token")
     p.add_argument("--k", nargs="+", type=int, default=[0, 1, 4, 8])
     p.add_argument("--n-eval", type=int, default=24)
     p.add_argument("--bos", choices=list(BOS_FLAG), default="auto")
@@ -119,6 +122,19 @@ def load_teacher(args):
     max_len = max(args.eval_len, max(args.lengths) + 64, 2048)
     loaded = linicl.lm.load(args.model, max_len=max_len, require_tokenizer=True)
     return loaded.model, loaded.variables, loaded.tokenizer, str(loaded.source)
+
+
+def check_tasks(tok, args) -> None:
+    """Refuse, before any training, a label task whose label words the tokenizer cannot score (each
+    must be one distinct token: label-restricted argmax reads one logit per label)."""
+    for name in args.tasks:
+        task = data.load_task(name, args.data_dir)
+        if task.labels is not None:
+            try:
+                data.check_label_words(task.labels, tok, prefix=data.template_for(task).label_prefix)
+            except LiniclError as e:
+                raise LiniclError(f"--tasks {name}: a label task is scored by its label words {list(task.labels)}, "
+                                  f"which this tokenizer cannot score: {e}") from None
 
 
 def train_text(teacher, tv, tok, args):
@@ -218,11 +234,14 @@ def icl(teacher, tv, student, sv, tok, args, prog: reporting.Progress, stage1_sv
 
 def icl_cell(teacher, tv, student, sv, tok, task, k: int, args, stage1_sv=None) -> dict:
     """One (task, k) cell of ``icl``: every method's summary, correct flags and predictions
-    (``stage1_sv``: the student before stage 2, one more method)."""
+    (``stage1_sv``: the student before stage 2, one more method). A label task (``task.labels``) is
+    scored by label-restricted argmax over its label words, an open-ended one by exact match."""
     name = task.name
-    prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval,
+    template = data.template_for(task)
+    prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval, template=template,
                                   same_demos=True, add_bos=BOS_FLAG[args.bos])
-    common = dict(tokenizer=tok, prompts=prompts, task=name, k=k, progress=False)
+    common = dict(tokenizer=tok, prompts=prompts, task=name, k=k, progress=False, labels=task.labels,
+                  label_prefix=template.label_prefix)
     res = {"softmax": evaluate_prompts(teacher, tv, **common),
            "student": evaluate_prompts(student, sv, **common)}
     if stage1_sv is not None:
@@ -319,7 +338,8 @@ def tables(report: dict) -> str:
         kl = s2["history"]["kl"]
         lines += [f"Stage 2 (LoRA rank {s2['rank']} on q, k, v, o; {s2['tokens_seen']} tokens): KL to the teacher "
                   f"{kl[0]:.3f} -> {kl[-1]:.3f} nats per token (training batches).", ""]
-    lines += ["ICL accuracy, % [95 % Wilson] (exact match; (const) = one answer for every query):", ""]
+    lines += ["ICL accuracy, % [95 % Wilson] (exact match on word tasks, label-restricted on label tasks; "
+              "(const) = one answer for every query):", ""]
     present = lambda m: any(m in c for c in report["icl"].values())  # noqa: E731
     methods = [m for m in ("softmax", "student", STAGE1, "student converted", APPROX, KEPT_ONLY) if present(m)]
     rows = []
@@ -384,8 +404,7 @@ def _icl_panel(ax, icl: dict):
         ax.plot(ks, [counts[k][0] / counts[k][1] for k in ks], style, label=m)
         ax.fill_between(ks, [i.low for i in iv], [i.high for i in iv], alpha=0.15)
     tasks = {c["softmax"]["task"] for c in icl.values() if c.get("softmax")}
-    ax.set(xlabel="demonstrations k", ylabel="exact-match accuracy, pooled (95 % Wilson)",
-           title=f"ICL, {len(tasks)} word tasks")
+    ax.set(xlabel="demonstrations k", ylabel="accuracy, pooled (95 % Wilson)", title=f"ICL, {len(tasks)} tasks")
     ax.legend()
 
 
@@ -417,6 +436,11 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     teacher, tv, tok, source = load_teacher(args)
+    try:
+        check_tasks(tok, args)
+    except LiniclError as e:
+        print(f"linearize: {e}", file=sys.stderr)
+        return 2
     trains_maps = not (args.maps or args.from_checkpoint)
     # built once for both stages (teacher samples are costly), and only when a stage trains
     seqs = train_text(teacher, tv, tok, args) if trains_maps or args.stage2_steps else None

@@ -19,6 +19,12 @@ The file (``safetensors``: a JSON header, then the raw bytes of each array):
 file whose settings differ from the ones it is given. ``meta`` is what the run reports (the step
 reached, a loss history); it is returned as stored. Both must be JSON-serialisable.
 
+``load`` refuses a file holding NaN or infinity in any array: it was written by a run that had diverged,
+and resuming from it would only continue with NaN parameters.
+
+``checksum(tree)`` is a content hash of the arrays of a tree (names, dtypes, shapes and bytes): what a
+training loop records in ``settings`` to tell its data and frozen weights from others of the same shape.
+
 ``load`` restores into a ``template`` of the same structure (``flax.serialization.from_state_dict``:
 an optax state comes back as the same NamedTuples). The template's leaves may be arrays, Python
 scalars or ``jax.ShapeDtypeStruct`` (``jax.eval_shape``: nothing is computed); every stored array
@@ -31,7 +37,9 @@ run killed while saving leaves the previous checkpoint whole.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Optional, Tuple
@@ -119,6 +127,26 @@ def _restore(path: Path, template, arrays: dict):
     return serialization.from_state_dict(template, fill(state, ()))
 
 
+def checksum(tree) -> str:
+    """A content hash of ``tree`` (a pytree of arrays: params, token ids; or one array): the SHA-256 hex
+    digest of every array's name in the tree, dtype, shape and bytes, in name order. Two trees hash
+    alike only if they hold the same arrays bit for bit (float32 and float64 copies of the same
+    values differ; so do the same bytes in another shape)."""
+    digest = hashlib.sha256()
+    for name, a in sorted(_arrays(tree).items()):
+        # The header is self-delimiting JSON and the bytes that follow have the length its dtype and
+        # shape give, so no two different trees feed the hash the same stream.
+        digest.update(json.dumps([name, a.dtype.name, list(a.shape)]).encode())
+        digest.update(a.reshape(-1).view(np.uint8))  # the raw bytes, without a copy (a is C-ordered)
+    return digest.hexdigest()
+
+
+def _non_finite(arrays: dict) -> list:
+    """The names of the stored arrays holding NaN or infinity (integers and booleans cannot)."""
+    return sorted(name for name, a in arrays.items()
+                  if a.dtype.kind not in "biu" and not np.all(np.isfinite(a)))
+
+
 # ------------------------------------------------------------------------------------- the file
 def _json(value, what: str) -> str:
     try:
@@ -187,12 +215,24 @@ def header(path) -> Header:
     return _header(path, _open(path, with_arrays=False)[0])
 
 
+def _same_setting(a, b) -> bool:
+    """``a == b`` for JSON values, except that a NaN equals NaN (a setting saved as NaN is the same
+    setting when given again; ``nan != nan`` would refuse every resume)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_setting(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_setting(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _differences(stored: dict, given: dict) -> list:
     absent = object()
     out = []
     for key in sorted(set(stored) | set(given)):
         a, b = stored.get(key, absent), given.get(key, absent)
-        if a != b:
+        if a is absent or b is absent or not _same_setting(a, b):
             show = lambda v: "(absent)" if v is absent else repr(v)  # noqa: E731
             out.append(f"{key}: stored {show(a)}, given {show(b)}")
     return out
@@ -201,7 +241,8 @@ def _differences(stored: dict, given: dict) -> list:
 def load(path, template, *, settings: Mapping[str, Any]) -> Tuple[Any, dict]:
     """``(tree, meta)`` from a checkpoint written by ``save``, with ``tree`` in the structure of
     ``template``. Raises DataError naming the file when it is missing, not a linicl checkpoint, was
-    written with other ``settings`` (naming the keys that differ), or holds another tree."""
+    written with other ``settings`` (naming the keys that differ), holds another tree, or holds NaN or
+    infinity (naming the arrays)."""
     path = Path(path)
     metadata, arrays = _open(path, with_arrays=True)
     head = _header(path, metadata)
@@ -210,7 +251,13 @@ def load(path, template, *, settings: Mapping[str, Any]) -> Tuple[Any, dict]:
     if diff:
         raise DataError(f"{path} was written with other settings ({'; '.join(diff)}); delete it to "
                         f"start afresh")
-    return _restore(path, template, arrays), head.meta
+    tree = _restore(path, template, arrays)
+    bad = _non_finite(arrays)
+    if bad:
+        raise DataError(f"{path} holds NaN or infinity in {len(bad)} array(s) ({', '.join(map(repr, bad[:5]))}"
+                        f"{', ...' if len(bad) > 5 else ''}): a run that had diverged wrote it, and whatever "
+                        f"resumed or loaded from it would be NaN; delete it and train again")
+    return tree, head.meta
 
 
 def exists(path) -> bool:
@@ -218,4 +265,4 @@ def exists(path) -> bool:
     return Path(path).is_file()
 
 
-__all__ = ["FORMAT", "VERSION", "Header", "save", "load", "header", "exists"]
+__all__ = ["FORMAT", "VERSION", "Header", "save", "load", "header", "exists", "checksum"]

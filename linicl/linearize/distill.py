@@ -11,7 +11,8 @@ runs once and gives its logits, and the correction minimises the mean over posit
 Everything else stays frozen (the teacher's weights and the stage-1 maps). The student is run with the
 correction merged into its kernels (``lora.apply``), so it stays an ordinary finite-state zoo model.
 Seeds, checkpoints and data parallelism work as in stage 1 (``linicl.linearize.transfer``): the same
-settings resume bit-identically, and a checkpoint of other settings (or of other maps) is refused.
+settings resume bit-identically, and a checkpoint of other settings (or of other text, teacher
+weights or maps) is refused.
 """
 
 from __future__ import annotations
@@ -20,15 +21,13 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from tqdm.auto import tqdm
 
 from linicl import checkpoint as ckpt
 from linicl import compiled
 from linicl.linearize import lora as L
-from linicl.linearize.student import split
-from linicl.linearize.transfer import check_training, step_batch
+from linicl.linearize.transfer import check_training, input_checksums, step_batch
 from linicl.names import PARAMS
 from linicl.parallel import replicate, shard_batch
 
@@ -66,16 +65,9 @@ def _step_fn(student, tx):
     return jax.jit(step)
 
 
-def _maps_sum(params) -> float:
-    """A fingerprint of the stage-1 maps a run starts from (a resumed run must start from the same)."""
-    trained, _ = split(params)
-    return float(sum(np.abs(np.asarray(x, np.float64)).sum() for x in jax.tree_util.tree_leaves(trained)))
-
-
-def _settings(student, params, sequences, rank, targets, steps, batch_size, lr, seed) -> dict:
+def _settings(student, sequences, rank, targets, steps, batch_size, lr, seed) -> dict:
     return dict(trainer=TRAINER, student=student.cfg.describe(), rank=rank, targets=list(targets), steps=steps,
-                batch_size=batch_size, lr=lr, seed=seed, sequences=list(sequences.shape),
-                data_sum=int(np.asarray(sequences, np.int64).sum()), maps_sum=round(_maps_sum(params), 6))
+                batch_size=batch_size, lr=lr, seed=seed, sequences=list(sequences.shape))
 
 
 def train_lora(teacher, teacher_variables, student, student_variables, sequences, *, rank: int = 8,
@@ -94,7 +86,9 @@ def train_lora(teacher, teacher_variables, student, student_variables, sequences
     tx = optax.adam(lr)
     opt = tx.init(correction)
     history, start = DistillHistory([], []), 0
-    settings = _settings(student, params, sequences, rank, tuple(targets), steps, batch_size, lr, seed)
+    settings = _settings(student, sequences, rank, tuple(targets), steps, batch_size, lr, seed)
+    if checkpoint is not None:  # the stage-1 maps are in the student's params: other maps are refused
+        settings.update(input_checksums(teacher_variables, params, sequences))
     if checkpoint is not None and ckpt.exists(checkpoint):
         state, meta = ckpt.load(checkpoint, {"lora": correction, "opt": opt}, settings=settings)
         correction, opt = jax.tree_util.tree_map(jnp.asarray, (state["lora"], state["opt"]))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from linicl import checkpoint as ckpt
-from linicl.errors import DataError
+from linicl.errors import DataError, LiniclError
 from linicl.linearize import lora as L
 from linicl.linearize.student import merge, split, student_config, student_variables
 from linicl.names import PARAMS
@@ -26,20 +26,38 @@ _LORA = "lora"
 def save_maps(path, student, student_variables: Mapping, meta: Optional[dict] = None,
               lora: Optional[Mapping] = None):
     """Write the student's maps and gates, with the options that rebuild it from its teacher, and the
-    stage-2 correction ``lora`` if given (``train_lora``'s second result)."""
+    stage-2 correction ``lora`` if given (``train_lora``'s second result). A model without maps (the
+    teacher itself) or maps holding NaN or infinity are refused here, not when the file is loaded."""
     trained, _ = split(student_variables[PARAMS])
-    settings = dict(kind=FORMAT, **{k: getattr(student.cfg, k) for k in _OPTIONS})
+    cfg = student.cfg
+    if cfg.attention != "linear" or cfg.feature_map != "hedgehog" or not trained:
+        held = "maps" if trained else "no maps"
+        raise LiniclError(f"save_maps needs a linearized student (linicl.linearize.student_config) and its "
+                          f"variables; got a model with attention {cfg.attention!r}, feature map "
+                          f"{cfg.feature_map!r} and {held} in student_variables (the teacher?)")
+    settings = dict(kind=FORMAT, **{k: getattr(cfg, k) for k in _OPTIONS})
     if lora is not None:
         trained = {**trained, _LORA: lora}
         settings.update(lora_rank=L.rank_of(lora),
                         lora_targets=sorted({t for s in lora.values() for t in s["attn"]}, key=L.TARGETS.index))
     trained = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), trained)  # one stored dtype
+    _check_finite(trained)
     return ckpt.save(path, trained, settings=settings, meta=dict(meta or {}))
+
+
+def _check_finite(trained) -> None:
+    """Refuse maps (or a correction) holding NaN or infinity, naming them: a diverged training run."""
+    flat = jax.tree_util.tree_flatten_with_path(trained)[0]
+    bad = [jax.tree_util.keystr(path) for path, a in flat if not bool(jnp.all(jnp.isfinite(a)))]
+    if bad:
+        raise LiniclError(f"save_maps: the student's maps hold NaN or infinity in {len(bad)} array(s) "
+                          f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}); its training diverged")
 
 
 def load_maps(path, teacher, teacher_variables: Mapping, *, dtype: Optional[str] = None):
     """``(student, student_variables, meta)``: the teacher's student with the maps of ``path`` (in the
-    teacher's dtype unless ``dtype``), and the file's stage-2 correction merged into its kernels."""
+    teacher's dtype unless ``dtype``), and the file's stage-2 correction merged into its kernels. A file
+    holding NaN or infinity is refused (DataError naming it and the arrays)."""
     head = ckpt.header(path)
     if head.settings.get("kind") != FORMAT:
         raise DataError(f"{path} is a linicl checkpoint but not a file of linearized maps (save_maps)")

@@ -120,11 +120,20 @@ def check_training(who: str, teacher, student, sequences, steps, batch_size, mes
     return sequences, mesh
 
 
+def input_checksums(teacher_variables, student_params, sequences) -> dict:
+    """What a resumed run must start from again (both stages), as checkpoint settings: content hashes
+    (``linicl.checkpoint.checksum``) of the training text ``int32[n, T]``, of the teacher's variables
+    and of the student's parameters at the start (its frozen weights and its starting maps). Shapes or
+    sums would pass text with its rows reordered, or another teacher of the same architecture."""
+    return dict(data_sha256=ckpt.checksum(sequences), teacher_sha256=ckpt.checksum(teacher_variables),
+                student_sha256=ckpt.checksum(student_params))
+
+
 def _settings(student, sequences, steps, batch_size, lr, seed) -> dict:
     return dict(trainer="linicl.linearize.train_maps", student=student.cfg.describe(),
                 window=student.cfg.window, sinks=student.cfg.sinks, feature_size=student.cfg.feature_size,
                 rope_on=student.cfg.rope_on, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                sequences=list(sequences.shape), data_sum=int(np.asarray(sequences, np.int64).sum()))
+                sequences=list(sequences.shape))
 
 
 def train_maps(teacher, teacher_variables, student, student_variables, sequences, *, steps: int = 200,
@@ -134,7 +143,8 @@ def train_maps(teacher, teacher_variables, student, student_variables, sequences
     matches the teacher's on the teacher's inputs. ``sequences: int32[n, T]`` (``training_sequences``).
 
     Returns ``(student_variables, History)``. ``checkpoint``: a file path to save to and resume from
-    (a file of other settings is refused, naming the difference)."""
+    (a file of other settings, text, teacher weights or starting maps is refused, naming the
+    difference; so is one holding NaN)."""
     sequences, mesh = check_training("train_maps", teacher, student, sequences, steps, batch_size, mesh)
     trained, frozen = split(student_variables[PARAMS])
     tx = optax.adam(lr)
@@ -142,6 +152,8 @@ def train_maps(teacher, teacher_variables, student, student_variables, sequences
     history = History([], [], [])
     start = 0
     settings = _settings(student, sequences, steps, batch_size, lr, seed)
+    if checkpoint is not None:
+        settings.update(input_checksums(teacher_variables, student_variables[PARAMS], sequences))
     if checkpoint is not None and ckpt.exists(checkpoint):
         state, meta = ckpt.load(checkpoint, {"trained": trained, "opt": opt}, settings=settings)
         trained, opt = jax.tree_util.tree_map(jnp.asarray, (state["trained"], state["opt"]))
@@ -182,4 +194,4 @@ def maps_from_checkpoint(path, student, student_variables):
     return {**student_variables, PARAMS: params}, info
 
 
-__all__ = ["History", "teacher_targets", "layer_losses", "step_batch", "check_training", "train_maps", "maps_from_checkpoint"]
+__all__ = ["History", "teacher_targets", "layer_losses", "step_batch", "check_training", "input_checksums", "train_maps", "maps_from_checkpoint"]

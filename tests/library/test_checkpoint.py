@@ -138,3 +138,47 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
     assert os.listdir(path.parent) == ["ckpt.safetensors"]
     assert checkpoint.header(path).settings == {"v": 2}
     assert _same(checkpoint.load(path, _tree(), settings={"v": 2})[0], _tree())
+
+
+def test_checksum_sees_every_value_dtype_shape_and_name():
+    """One content hash for the training loops' fingerprints: equal for the same arrays (whatever the
+    container), different for reordered rows, two entries moved by +-1 (the same sum), another dtype,
+    shape or name."""
+    rows = np.random.default_rng(2).integers(1, 90, (6, 5)).astype(np.int32)
+    moved = rows.copy()
+    moved[0, 0] += 1
+    moved[3, 2] -= 1
+    base = checkpoint.checksum(rows)
+    assert base == checkpoint.checksum(rows.copy()) == checkpoint.checksum(jnp.asarray(rows))
+    others = [rows[::-1], moved, rows.astype(np.int64), rows.reshape(5, 6), rows.T]
+    assert all(checkpoint.checksum(x) != base for x in others)
+    assert len({base, *map(checkpoint.checksum, others)}) == 1 + len(others)
+    tree = _tree()
+    assert checkpoint.checksum(tree) == checkpoint.checksum(_tree())
+    renamed = _tree()
+    renamed["params"]["dense"]["other"] = renamed["params"]["dense"].pop("bias")
+    assert checkpoint.checksum(renamed) != checkpoint.checksum(tree)
+    changed = _tree()
+    changed["params"]["dense"]["kernel"][1, 2] = np.nextafter(changed["params"]["dense"]["kernel"][1, 2],
+                                                              np.float32(np.inf))  # one ulp
+    assert checkpoint.checksum(changed) != checkpoint.checksum(tree)
+
+
+def test_a_setting_saved_as_nan_equals_itself(tmp_path):
+    settings = {"lr": float("nan"), "grid": [1.0, float("nan")], "nested": {"x": float("nan")}}
+    path = checkpoint.save(tmp_path / "nan.safetensors", _tree(), settings=settings)
+    loaded, _ = checkpoint.load(path, _tree(), settings=settings)
+    assert _same(loaded, _tree())
+    with pytest.raises(DataError, match=r"lr: stored nan, given 0\.1"):  # NaN is still unequal to numbers
+        checkpoint.load(path, _tree(), settings=dict(settings, lr=0.1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_checkpoint_holding_nan_or_inf_is_refused_by_name(tmp_path, bad):
+    tree = _tree()
+    tree["params"]["dense"]["bias"][2] = bad
+    path = checkpoint.save(tmp_path / "diverged.safetensors", tree, settings={})
+    with pytest.raises(DataError, match=r"diverged\.safetensors holds NaN or infinity in 1 array\(s\) "
+                                        r"\('params/dense/bias'\)"):
+        checkpoint.load(path, _tree(), settings={})
+    assert checkpoint.header(path).settings == {}  # the header alone is still readable
