@@ -62,6 +62,7 @@ from linicl import batching, compiled
 from linicl.data.datasets import Task
 from linicl.data.prompts import Prompt, PromptBatch, Template, build_eval_set, check_label_words, template_for
 from linicl.errors import LiniclError
+from linicl.generation import generate
 from linicl.interventions import EditPlan, plan_edits
 from linicl.names import OPEN_METRICS
 from linicl.stats import Interval, wilson
@@ -292,15 +293,13 @@ def _end_of_answer(text: str) -> int:
     return len(text) if cut < 0 else cut
 
 
-def greedy_answers(model, variables, tokenizer, rows: list, *, max_new: int, common: dict) -> list:
-    """Greedy continuations of every row (``int32[n_i]`` tokens) until a line break, the tokenizer's
-    EOS or ``max_new`` tokens: the decoded answers, cut at the line break.
+def _answer_done(tokenizer, ids: list, eos) -> bool:
+    """Whether a greedy answer has ended: at EOS or once its text holds a line break."""
+    return ids[-1] == eos or "\n" in tokenizer.decode(ids)
 
-    Each step is one ``run_logprobs`` pass over every row with its answer so far appended (right-padded
-    and bucketed like any evaluation, so the batch shape stays the same and every step reuses the
-    compiled forwards; rows that have finished ride along until all have). There is no decode cache,
-    so any ``forward``/``edits`` hook applies unchanged: edits placed at the last token act on each
-    step's last token, as they would while generating."""
+
+def _rerun_greedy(model, variables, tokenizer, rows: list, max_new: int, common: dict) -> list:
+    """Greedy ids per row by re-running every row's whole prefix at each new token (any hook applies)."""
     eos = getattr(tokenizer, "eos_id", None)
     out = [[] for _ in rows]
     done = [False] * len(rows)
@@ -313,9 +312,59 @@ def greedy_answers(model, variables, tokenizer, rows: list, *, max_new: int, com
         for i, t in enumerate(picks):
             if not done[i]:
                 out[i].append(int(t))
-                done[i] = int(t) == eos or "\n" in tokenizer.decode(out[i])
+                done[i] = _answer_done(tokenizer, out[i], eos)
+    return out
+
+
+def _cached_greedy(model, variables, tokenizer, rows: list, max_new: int, common: dict) -> list:
+    """Greedy ids per row from ``linicl.generate`` (one prefill, then one cached step per token).
+
+    The decode cache and the position counters are one per batch, so rows are grouped by their exact
+    length; each group is cut into batches of ``batch_size`` rows (the last filled with copies of a
+    real row, so every call has one batch shape and the decode step compiles once). Each row's ids are
+    then cut where ``_rerun_greedy`` would have stopped (EOS or a line break)."""
+    eos = getattr(tokenizer, "eos_id", None)
+    size, stats = common.get("batch_size", 16), common.get("stats")
+    groups: dict = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(len(r), []).append(i)
+    out, start, padded = [None] * len(rows), time.perf_counter(), 0
+    for n, idx in groups.items():
+        for lo in range(0, len(idx), size):
+            part = idx[lo:lo + size]
+            tokens = batching.pad_rows(np.stack([rows[i] for i in part]), size)
+            ids = np.asarray(generate(model, variables, tokens, max_new))
+            padded += tokens.size
+            for j, i in enumerate(part):
+                out[i] = []
+                for t in ids[j]:
+                    out[i].append(int(t))
+                    if _answer_done(tokenizer, out[i], eos):
+                        break
+    if stats is not None:
+        for key, value in (("seconds", time.perf_counter() - start), ("n_tokens", sum(len(r) for r in rows)),
+                           ("n_padded_tokens", padded)):
+            stats[key] = stats.get(key, 0) + value
+    return out
+
+
+def greedy_answers(model, variables, tokenizer, rows: list, *, max_new: int, common: dict,
+                   cache: bool = True) -> list:
+    """Greedy continuations of every row (``int32[n_i]`` tokens) until a line break, the tokenizer's
+    EOS or ``max_new`` tokens: the decoded answers, cut at the line break.
+
+    With ``cache`` (default) and no ``forward``, ``edits`` or ``extras`` hook in ``common``, each row is
+    read once and continued with the decode cache (``linicl.generate``; rows grouped by length): one
+    prefix pass per row instead of one per new token. Otherwise (``cache=False``, or a hook, whose
+    meaning on a one-token decode step is not defined: an edit placed at the last token would edit
+    every generated token for good) each step is one ``run_logprobs`` pass over every row with its
+    answer so far appended, so any hook applies unchanged: edits placed at the last token act on each
+    step's last token. The two paths pick the same tokens up to rounding of the logits (tested equal)."""
+    hooked = any(common.get(k) is not None for k in ("forward", "edits", "extras"))
+    run = _cached_greedy if cache and not hooked else _rerun_greedy
+    eos = getattr(tokenizer, "eos_id", None)
     texts = []
-    for ids in out:
+    for ids in run(model, variables, tokenizer, rows, max_new, common):
         ids = [i for i in ids if i != eos]
         text = tokenizer.decode(ids)
         texts.append(text[:_end_of_answer(text)])
