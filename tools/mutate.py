@@ -23,6 +23,7 @@ Usage (from the repository root; CPU heavy, a full run takes a while):
     .venv/bin/python tools/mutate.py --tests tests/nn/test_model.py   # these tests instead (one phase)
     .venv/bin/python tools/mutate.py --no-reference       # only the existing tests
     .venv/bin/python tools/mutate.py --json results/mutants.json
+    .venv/bin/python tools/mutate.py --set round3         # the third round's mutants (issue 25)
 
 The table printed at the end: mutant | caught | by test (existing files) | by test_reference.py |
 seconds. ``--profile`` sets ``HYPOTHESIS_PROFILE`` (default ``ci``, the suite's own).
@@ -166,6 +167,49 @@ MUTANTS = (
 )
 
 
+# Round 3 (issue 25): one-line bugs beyond the kernels, in conversion, sampling, statistics,
+# checkpoints, evaluation and linearization; ``--set round3`` runs them.
+STATS, EVAL = "tests/evaluation/test_stats.py", "tests/evaluation/test_evaluate.py"
+ROUND3 = (
+    Mutant("offset-forgotten", "a second conversion forgets the first prompt's offset (the query "
+           "continues at n2 instead of n1 + n2)",
+           (_edit("linicl/nn/transformer.py", "offset + T if cfg.keeps_offset", "T if cfg.keeps_offset"),),
+           ("tests/iclca/test_iclca.py::test_converting_twice_equals_converting_the_concatenation",
+            FINITE + "::test_converting_twice_equals_converting_the_concatenation")),
+    Mutant("temperature-inverted", "sampling from logits * temperature",
+           (_edit("linicl/generation.py", "logits / temperature", "logits * temperature"),),
+           ("tests/nn/test_sampling.py",)),
+    Mutant("wilson-centre", "the Wilson interval centred on p instead of (p + z^2/2n) / (1 + z^2/n)",
+           (_edit("linicl/stats.py", "centre = (p + z * z / (2 * n)) / denom", "centre = p / denom"),),
+           (STATS,)),
+    Mutant("recovered-unpaired", "the recovered-share bootstrap resamples zero-shot with other queries than "
+           "the method",
+           (_edit("linicl/stats.py", "(m[idx] - z[idx]).mean(1)", "(m[idx] - z[idx[::-1]]).mean(1)"),),
+           (STATS,)),
+    Mutant("checksum-without-shape", "the checkpoint content hash ignores shapes",
+           (_edit("linicl/checkpoint.py", "json.dumps([name, a.dtype.name, list(a.shape)])",
+                  "json.dumps([name, a.dtype.name])"),),
+           ("tests/library/test_checkpoint.py",)),
+    Mutant("answers-case-sensitive", "exact match compares answers without lower-casing",
+           (_edit("linicl/evaluate.py", '" ".join(text.split()).lower()', '" ".join(text.split())'),),
+           (EVAL,)),
+    Mutant("label-argmin", "label-restricted scoring picks the least likely label",
+           (_edit("linicl/evaluate.py", "pick = np.argmax(scores, axis=-1)", "pick = np.argmin(scores, axis=-1)"),),
+           (EVAL,)),
+    Mutant("sink-slots-shifted", "a sink token is written one slot later than its position",
+           (_edit(HYB, "match = positions[None, :] == slots[:, None]", "match = positions[None, :] == slots[:, None] + 1"),),
+           (FINITE, ICLCA)),
+    Mutant("lora-not-merged", "the stage-2 correction is not added to the kernels (W instead of W + A B)",
+           (_edit("linicl/linearize/lora.py", 'delta = (f["A"] @ f["B"]).astype(W.dtype)',
+                  'delta = (0 * f["A"] @ f["B"]).astype(W.dtype)'),),
+           ("tests/linearize/test_stage2.py",)),
+    Mutant("nll-unshifted", "the held-out next-token loss scores each position's own token",
+           (_edit("linicl/linearize/quality.py", "tokens[:, 1:, None]", "tokens[:, :-1, None]"),),
+           ("tests/linearize/test_linearize.py",)),
+)
+SETS = {"round1-2": MUTANTS, "round3": ROUND3}
+
+
 # ------------------------------------------------------------------------------ the copy and the run
 def _copy_tree(dest: pathlib.Path, source: pathlib.Path = REPO) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
@@ -235,10 +279,10 @@ def _check_imports_copy(dest: pathlib.Path, env: dict) -> None:
 
 
 # ------------------------------------------------------------------------------ main
-def _select(names: Sequence[str]) -> list:
+def _select(names: Sequence[str], mutants: Sequence[Mutant] = MUTANTS) -> list:
     if not names:
-        return list(MUTANTS)
-    known = {m.name: m for m in MUTANTS}
+        return list(mutants)
+    known = {m.name: m for m in mutants}
     unknown = [n for n in names if n not in known]
     if unknown:
         sys.exit(f"mutate.py: unknown mutant(s) {unknown}; --list shows them")
@@ -258,6 +302,7 @@ def _table(rows: list, with_reference: bool) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--set", choices=list(SETS), default="round1-2", help="which mutants (default round1-2)")
     parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this mutant (repeatable)")
     parser.add_argument("--tests", nargs="+", metavar="PATH", help="run these test files/node ids for every "
                         "mutant instead of its relevant files and the reference (one phase)")
@@ -268,7 +313,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
     args = parser.parse_args(argv)
-    mutants = _select(args.only)
+    mutants = _select(args.only, SETS[args.set])
     if args.list:
         for m in mutants:
             print(f"{m.name}: {m.bug}\n    edits: {', '.join(sorted({e[0] for e in m.edits}))}\n"

@@ -1,0 +1,85 @@
+"""Long-prompt probes (linicl.data.long_context): exact token lengths, the key line where the depth
+says, key-value lines spread through the filler, the question last, seeds, and clear errors."""
+
+import numpy as np
+import pytest
+
+from linicl.data import long_context as lc
+from linicl.data.prompts import BOS, DEMO_INPUT, INSTRUCTION, QUERY
+from linicl.errors import LiniclError
+
+
+class Chars:
+    """Characters are their code points; BOS is 1."""
+    bos_id = 1
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+TOK = Chars()
+FILLER = np.asarray(TOK.encode("lorem ipsum dolor sit amet " * 200), np.int32)  # 5,400 tokens, no digits
+
+
+@pytest.mark.parametrize("n_tokens", [300, 1000, 2048])
+def test_passkey_prompts_have_the_exact_length_and_the_key_at_its_depth(n_tokens):
+    prompts = lc.passkey_prompts(TOK, FILLER, n_tokens, 6, seed=3, digits=5)
+    assert all(len(p) == n_tokens for p in prompts)
+    for p in prompts:
+        assert len(p.label) == 5 and p.label.isdigit()
+        assert p.tokens[0] == 1 and p.roles[0] == BOS
+        assert p.text.count(p.label) == 2  # "The pass key is K. Remember it. K is the pass key."
+        assert p.text.endswith(lc.PASSKEY_QUESTION) and np.all(p.roles[p.query_start:] == QUERY)
+    assert len({p.label for p in prompts}) == 6
+    again = lc.passkey_prompts(TOK, FILLER, n_tokens, 6, seed=3, digits=5)
+    assert all(np.array_equal(a.tokens, b.tokens) for a, b in zip(prompts, again))
+    other = lc.passkey_prompts(TOK, FILLER, n_tokens, 6, seed=4, digits=5)
+    assert not all(np.array_equal(a.tokens, b.tokens) for a, b in zip(prompts, other))
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.75, 1.0])
+def test_the_key_line_sits_after_depth_of_the_filler(depth):
+    p = lc.passkey_prompt(TOK, FILLER, 700, "12345", depth)
+    filler = np.flatnonzero(p.roles == DEMO_INPUT)
+    line = np.flatnonzero(p.roles == INSTRUCTION)
+    line = line[line > 1 + len(lc.PASSKEY_INSTRUCTION)]  # the key line, after the instruction
+    assert np.sum(filler < line[0]) == int(round(depth * len(filler)))
+
+
+def test_depth_zero_and_one_put_the_key_first_and_last():
+    first = lc.passkey_prompt(TOK, FILLER, 400, "12345", 0.0)
+    last = lc.passkey_prompt(TOK, FILLER, 400, "12345", 1.0)
+    head = len(TOK.encode(lc.PASSKEY_INSTRUCTION)) + 1
+    assert first.text.index("12345") < head + len(lc.PASSKEY_LINE)
+    assert last.text.rindex("12345") > 400 - len(lc.PASSKEY_QUESTION) - len(lc.PASSKEY_LINE)
+
+
+def test_kv_recall_prompts_spread_the_lines_and_ask_one_of_them():
+    prompts = lc.kv_recall_prompts(TOK, FILLER, 1500, 8, n_pairs=5, seed=0, digits=4)
+    for p in prompts:
+        assert len(p) == 1500 and len(p.label) == 4
+        lines = [line for line in p.text.split("\n") if line.startswith("The code for ")]
+        assert len(lines) == 5
+        codes = {line[13:].split(" is ")[0]: line.split(" is ")[1].rstrip(".") for line in lines}
+        assert codes[p.query.input] == p.label
+        assert p.text.endswith(lc.KV_QUESTION.format(name=p.query.input))
+        starts = [p.text.index(line) for line in lines]
+        gaps = np.diff([0] + starts + [len(p.text)])
+        assert gaps.min() > 0.5 * gaps.mean()  # spread evenly, not bunched
+    assert len({p.query.input for p in prompts}) > 1
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: lc.passkey_prompt(TOK, FILLER, 50, "1", 0.5), "n_tokens must be an int above"),
+    (lambda: lc.passkey_prompt(TOK, FILLER, 500, "1", 1.5), r"depth must be in \[0, 1\]"),
+    (lambda: lc.passkey_prompt(TOK, FILLER[:100], 500, "1", 0.5), "filler stream holds 100 tokens"),
+    (lambda: lc.passkey_prompts(TOK, FILLER, 500, 0), "n >= 1"),
+    (lambda: lc.kv_recall_prompts(TOK, FILLER, 500, 2, n_pairs=0), r"n_pairs must be an int in \[1, 32\]"),
+    (lambda: lc.kv_recall_prompt(TOK, FILLER, 500, [("a", "1")], 1), "0 <= asked < len"),
+])
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises(LiniclError, match=match):
+        call()
