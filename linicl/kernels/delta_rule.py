@@ -41,9 +41,10 @@ one after another, each from the state the previous one left. (On a 2-core CPU t
 than computing every chunk's T, U~ and W at once, the usual layout on accelerators; it keeps each
 chunk's arrays in cache and holds O(C^2) per head in memory, not O(T C).)
 
-As in ``gated_attention``, every exponent is a prefix sum or a difference P_t - P_i with i <= t
-(entries above the diagonal are zeroed before the exp), never positive: strong gates underflow to 0,
-nothing overflows.
+As in ``gated_attention``, every exponent is a prefix sum P_t or a segment sum P_t - P_i with i <= t,
+never positive: strong gates underflow to 0, nothing overflows. The segment sums are added up
+directly (``gated_attention.segment_sums``), not subtracted, which would cancel in float32 and give
+NaN for a log-gate of -inf.
 
 Forms (every one takes the initial state and returns the outputs and the final state S_{T-1}; they
 agree to rounding):
@@ -66,6 +67,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from linicl.kernels.gated_attention import segment_sums
 from linicl.kernels.linear_attention import choose_form
 from linicl.names import FORMS
 
@@ -165,10 +167,10 @@ def _chunk(q, k, v, beta, a, S):
     if a is None:
         decay, e_in, e_out, g = causal.astype(q.dtype), None, None, None      # D[t, i]
     else:
-        P = jnp.cumsum(a, axis=-1)                                           # P_t <= 0
-        last = P[..., -1:]
-        decay = jnp.where(causal, jnp.exp(jnp.where(causal, P[..., :, None] - P[..., None, :], 0)), 0)
-        e_in, e_out, g = jnp.exp(P), jnp.exp(last - P), jnp.exp(last[..., 0])
+        G = segment_sums(a)                                 # G[t, i] = P_t - P_i, 0 above the diagonal
+        P = jnp.cumsum(a, axis=-1)                          # P_t <= 0
+        decay = jnp.where(causal, jnp.exp(G), 0)
+        e_in, e_out, g = jnp.exp(P), jnp.exp(G[..., C - 1, :]), jnp.exp(P[..., C - 1])
     # Q K^T over K K^T in one product, then every product with S in another.
     qk = jnp.einsum("bhtf,bhif->bhti", jnp.concatenate([q, k], axis=-2), k)  # f[B, H, 2C, C]
     A = qk[..., :C, :] * decay                                               # (Q K^T * D)

@@ -18,10 +18,13 @@ Unrolled, with the prefix sums P_t = a_0 + ... + a_t (per feature for vector gat
 
     S_t = exp(P_t) S0 + sum_{i<=t} exp(P_t - P_i) k_i v_i^T,
 
-and likewise for z. Every exponent the forms evaluate is such a difference P_t - P_i with i <= t (a
-sum of log-gates, <= 0) or a prefix sum P_t itself (<= 0); the entries above the diagonal, where the
-difference is positive, are set to 0 *before* the exp. So no exp of a large positive number occurs,
-however strong the gates: alpha = e^-50 underflows to exactly 0 and never meets an infinity.
+and likewise for z. Every exponent the forms evaluate is a prefix sum P_t or a segment sum
+P_t - P_i = a_{i+1} + ... + a_t with i <= t, both <= 0, so no exp of a large positive number occurs.
+The segment sums are added up directly (``segment_sums``), never taken as the difference of two prefix
+sums: that difference cancels (in float32 it is off by ~|P_i| 2^-24, 1e-2 relative error in the
+outputs at log alpha = -1e6) and is NaN once a log-gate is -inf (-inf - (-inf)). Summed directly, a
+gate of -inf, or one so strong that exp underflows, makes every weight across it exactly 0, as in the
+recurrent form, and the other weights keep full precision.
 
 The initial state is what ICLCA stores: a prompt enters later tokens only through it. Every form
 returns the outputs and the final state (S_{T-1}, z_{T-1}) (z is carried even when
@@ -44,6 +47,7 @@ log_alpha: None, ``f[batch, heads, seq]`` or ``f[batch, heads, seq, d_phi]``; th
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -52,8 +56,8 @@ import jax.numpy as jnp
 from linicl.kernels.linear_attention import LinearState, choose_form, zero_state
 from linicl.names import FORMS
 
-__all__ = ["LinearState", "zero_state", "gate_kind", "auto_form", "step", "parallel", "chunked", "recurrent",
-           "gated_attention"]
+__all__ = ["LinearState", "zero_state", "gate_kind", "auto_form", "segment_sums", "step", "parallel", "chunked",
+           "recurrent", "gated_attention"]
 
 
 def gate_kind(q: jax.Array, log_alpha: Optional[jax.Array]) -> str:
@@ -126,23 +130,61 @@ class _Decay(NamedTuple):
     whole: Optional[jax.Array]  # exp(P_last), the whole chunk's decay: f[B, H] or f[B, H, F]
 
 
+def _strict_running_sums(x: jax.Array, axis: int) -> jax.Array:
+    """R[m', m] = x_{m+1} + ... + x_{m'} for m < m', else 0: the running sum along ``axis`` (length L)
+    of x masked to the later entries, a new axis (the start m) inserted after ``axis``. Only terms of
+    one sign are added; O(L^2) memory and, as a cumsum on a CPU, O(L^3) work: meant for short axes."""
+    L = x.shape[axis]
+    later = jnp.tril(jnp.ones((L, L), bool), -1)
+    later = later.reshape(later.shape + (1,) * (x.ndim - axis - 1))  # broadcast over the trailing axes
+    return jnp.cumsum(jnp.where(later, jnp.expand_dims(x, axis + 1), 0), axis=axis)
+
+
+def segment_sums(a: jax.Array) -> jax.Array:
+    """G[t, i] = a_{i+1} + ... + a_t for i <= t, else 0, summed directly (no difference of prefix sums).
+
+    a: log-gates ``f[B, H, C]`` or ``f[B, H, C, F]`` (token axis 2, every entry <= 0, -inf allowed).
+    Returns ``f[B, H, C, C]`` or ``f[B, H, C, C, F]`` (t, then i).
+
+    Only terms of one sign are ever added, so there is no cancellation, and -inf stays -inf (never
+    -inf - (-inf) = NaN). The tokens are cut into blocks of s ~ sqrt(C): within a block G is a
+    running sum; across blocks K > k it is three pieces, the rest of i's block after i, the whole
+    blocks between, and t's block up to t. That is O(C^2) work per feature, where one running sum
+    over all C tokens would cost O(C^3) on a CPU (a cumsum is a windowed sum there).
+    """
+    C = a.shape[2]
+    s = max(1, math.isqrt(C))
+    n = -(-C // s)
+    if n * s != C:  # pad with log-gates 0: they add nothing, and their rows and columns are cut off
+        a = jnp.pad(a, [(0, 0), (0, 0), (0, n * s - C)] + [(0, 0)] * (a.ndim - 3))
+    x = a.reshape(a.shape[:2] + (n, s) + a.shape[3:])                    # [B, H, block, token, (F)]
+    upto = jnp.cumsum(x, axis=3)                                         # block start .. t
+    rest = jnp.flip(jnp.cumsum(jnp.flip(x, 3), axis=3), 3)               # i .. block end
+    after = jnp.concatenate([rest[:, :, :, 1:], jnp.zeros_like(rest[:, :, :, :1])], axis=3)  # i+1 ..
+    blocks = _strict_running_sums(upto[:, :, :, s - 1], axis=2)          # [K, k]: blocks k+1 .. K
+    between = jnp.concatenate([jnp.zeros_like(blocks[:, :, :1]), blocks[:, :, :-1]], axis=2)  # .. K-1
+    # [B, H, K, t, k, i, (F)]: the three pieces across blocks, the running sum within one.
+    across = upto[:, :, :, :, None, None] + between[:, :, :, None, :, None] + after[:, :, None, None]
+    within = _strict_running_sums(x, axis=3)[:, :, :, :, None]
+    K = jnp.arange(n)
+    tail = (1,) * (a.ndim - 3)
+    same = (K[:, None] == K[None, :]).reshape((n, 1, n, 1) + tail)
+    later = (K[:, None] > K[None, :]).reshape((n, 1, n, 1) + tail)
+    G = jnp.where(same, within, jnp.where(later, across, 0))
+    return G.reshape(a.shape[:2] + (n * s, n * s) + a.shape[3:])[:, :, :C, :C]
+
+
 def _decay(a: Optional[jax.Array], kind: str, C: int) -> _Decay:
     """The decay factors of a chunk of C tokens with log-gates a (``f[B, H, C]`` or ``f[B, H, C, F]``)."""
     if kind == "none":
         return _Decay(None, None, None, None)
     causal = jnp.tril(jnp.ones((C, C), bool))
-    axis = 2                                           # the token axis
-    P = jnp.cumsum(a, axis=axis)                       # P_t <= 0
-    last = jax.lax.slice_in_dim(P, C - 1, C, axis=axis)
-    if kind == "scalar":
-        mask = causal
-        diff = P[..., :, None] - P[..., None, :]
-    else:
-        mask = causal[:, :, None]
-        diff = P[..., :, None, :] - P[..., None, :, :]
-    # The differences above the diagonal are positive: zero them before the exp, so none overflows.
-    intra = jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0)), 0)
-    return _Decay(intra, jnp.exp(P), jnp.exp(last - P), jnp.squeeze(jnp.exp(last), axis))
+    mask = causal if kind == "scalar" else causal[:, :, None]
+    G = segment_sums(a)                                # G[t, i] = P_t - P_i <= 0 on and below the diagonal
+    P = jnp.cumsum(a, axis=2)                          # P_t <= 0
+    # G is 0 above the diagonal, so exp(G) is 1 there, never an overflow; those weights are zeroed.
+    intra = jnp.where(mask, jnp.exp(G), 0)
+    return _Decay(intra, jnp.exp(P), jnp.exp(G[:, :, C - 1]), jnp.exp(P[:, :, C - 1]))
 
 
 def _chunk(q, k, v, S, decay: _Decay, kind: str):

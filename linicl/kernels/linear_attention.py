@@ -39,8 +39,13 @@ def zero_state(batch: int, heads: int, d_phi: int, d_v: int, dtype) -> LinearSta
 
 
 def _gamma_powers(log_gamma: jax.Array, exponents: jax.Array) -> jax.Array:
-    """gamma_h ** e for every head and exponent, ``f[heads, len(exponents)]``."""
-    return jnp.exp(log_gamma[:, None] * exponents[None, :].astype(log_gamma.dtype))
+    """gamma_h ** e for every head and exponent e >= 0, ``f[heads, len(exponents)]``.
+
+    gamma^0 is 1 by definition (no step, no decay), also for gamma = 0 (log_gamma = -inf, which the
+    recurrent form takes): 0 * -inf would be NaN, so a zero exponent is never multiplied out.
+    """
+    e = exponents[None, :]
+    return jnp.exp(jnp.where(e == 0, 0, log_gamma[:, None] * e.astype(log_gamma.dtype)))
 
 
 def _decay_matrix(log_gamma: Optional[jax.Array], T: int, dtype) -> jax.Array:
@@ -50,8 +55,10 @@ def _decay_matrix(log_gamma: Optional[jax.Array], T: int, dtype) -> jax.Array:
     causal = diff >= 0
     if log_gamma is None:
         return causal.astype(dtype)
-    # Zero the exponent above the diagonal before exp: gamma^(negative) could overflow.
-    w = jnp.exp(jnp.where(causal, diff, 0)[None].astype(dtype) * log_gamma[:, None, None])
+    # The exponent is 0 on and above the diagonal: above it gamma^(negative) could overflow (those
+    # entries are zeroed after the exp), and on it gamma^0 = 1 even for gamma = 0 (0 * -inf is NaN).
+    later = (diff > 0)[None]
+    w = jnp.exp(jnp.where(later, diff[None].astype(dtype) * log_gamma[:, None, None], 0))
     return jnp.where(causal[None], w, 0).astype(dtype)
 
 
@@ -72,7 +79,7 @@ def parallel(q, k, v, state: LinearState, *, q_den=None, k_den=None, log_gamma=N
     else:
         g_in = _gamma_powers(log_gamma, jnp.arange(1, T + 1))        # gamma^(t+1): the state's age
         g_out = _gamma_powers(log_gamma, jnp.arange(T - 1, -1, -1))  # gamma^(T-1-i): to the end
-        g_T = jnp.exp(log_gamma * T)
+        g_T = _gamma_powers(log_gamma, jnp.asarray([T]))[:, 0]
         S = state.S * g_T[:, None, None] + jnp.einsum("bhsf,bhsd->bhfd", k * g_out[:, :, None], v)
         z = state.z * g_T[:, None] + (k_den * g_out[:, :, None]).sum(axis=-2)
         num = num + num_init * g_in[:, :, None]
