@@ -38,7 +38,8 @@ def _add_data_parser(sub) -> None:
                                    "per-user cache ~/.cache/linicl/data, which the loaders also read.")
     dsub = d.add_subparsers(dest="data_command", required=True)
     where = dict(default=None, help="data directory (default: $LINICL_DATA_DIR, else ~/.cache/linicl/data)")
-    ls = dsub.add_parser("list", help="every task: where its files are or 'not found', size, licence")
+    ls = dsub.add_parser("list", help="every task: where its files are, or 'not found', or 'damaged' (size or "
+                                      "SHA-256 not its spec's), size, licence")
     ls.add_argument("--data-dir", **where)
     f = dsub.add_parser("fetch", help="download tasks' files from their original public sources",
                         description="Download the files of TASKs (default: every task whose spec has "

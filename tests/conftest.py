@@ -46,3 +46,13 @@ def _release_compiled_functions():
     import linicl.compiled
     linicl.compiled.clear()
     jax.clear_caches()
+
+
+@pytest.fixture
+def data_env(monkeypatch):
+    """``LINICL_DATA_DIR`` pointed at ``helpers.data_dir()`` (the full data sets, else the committed
+    fixture) for one test and the scripts it starts; returns that folder."""
+    from helpers import data_dir
+    root = data_dir()
+    monkeypatch.setenv("LINICL_DATA_DIR", str(root))
+    return root

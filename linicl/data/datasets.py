@@ -36,6 +36,13 @@ commonsense_qa choices are lines of the input). AG News additionally gets its es
 ``"clean": "agnews"``, see ``_clean_agnews``). SST-2 and TREC keep their original tokenised text
 ("wo n't", " ?"). Malformed files raise ``DataError`` naming the file and the line (JSON lists: the
 item index); a missing file names the spec that wants it.
+
+A file whose size differs from the ``size`` its spec gives (a download cut short, another version) is
+refused on every load (a stat: free); ``load_task(verify=True)`` and ``linicl data list`` also compare
+its SHA-256 with the spec's. A split with no examples, and a demonstration pool of a classification
+task that holds a single class, are refused naming the task, the split and the file. A copy of one's
+own in the published layout (other rows: a sample, an edited file) gives its tasks specs of its own in
+``<data_dir>/tasks/`` with its sizes and checksums, or none.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from linicl.data.specs import FileSpec, TaskSpec, all_specs, find_spec
+from linicl.data.specs import SPEC_DIR, FileSpec, TaskSpec, all_specs, find_spec
 from linicl.errors import DataError, LiniclError  # noqa: F401  (DataError is part of this module's API)
 
 ENV_VAR = "LINICL_DATA_DIR"
@@ -156,12 +163,50 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
                     f"({_FIX}; or run `linicl data fetch --data-dir {path}`)")
 
 
-def _file(root: Path, spec: TaskSpec, file: FileSpec) -> Path:
+def _file(root: Path, spec: TaskSpec, file: FileSpec, checksum: bool = False) -> Path:
     path = root / file.path
     if not path.is_file():
         fetch = f"run `linicl data fetch {spec.name}`, or " if file.url else ""
         raise DataError(f"{path} not found (spec {spec.where}): expected <data_dir>/{file.path} under data "
                         f"directory {str(root)!r}; {fetch}{_FIX} pointing at a copy with that layout")
+    return _checked(path, spec, file, root, checksum)
+
+
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of the file ``path``, hex, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_problem(path: Path, file: FileSpec, *, checksum: bool = False) -> str | None:
+    """Why the present file ``path`` is not the one spec entry ``file`` describes: its size differs
+    from ``file.size`` (a stat), or, with ``checksum``, its SHA-256 from ``file.sha256`` (reads the
+    file); None when it matches, or the spec gives neither."""
+    if file.size is not None and (size := path.stat().st_size) != file.size:
+        return f"{size:,} bytes where its spec says {file.size:,}"
+    if checksum and file.sha256 is not None and (got := sha256_of(path)) != file.sha256:
+        return f"SHA-256 {got[:16]}... where its spec says {file.sha256[:16]}..."
+    return None
+
+
+def refetch_hint(spec: TaskSpec, root: Path) -> str:
+    """How to get the files a spec describes back into ``root``."""
+    if all(f.url for f in spec.all_files()):
+        return f"run `linicl data fetch {spec.name} --data-dir {root}` to download it again"
+    return "put the file its spec describes there"
+
+
+def _checked(path: Path, spec: TaskSpec, file: FileSpec, root: Path, checksum: bool) -> Path:
+    """``path`` when it is the file its spec describes (``file_problem``); DataError otherwise."""
+    if problem := file_problem(path, file, checksum=checksum):
+        own = root / SPEC_DIR / f"{spec.name}.json"
+        other = "" if spec.origin == own else \
+            f"; for a file of your own, give the task a spec of its own, {own}, without size and sha256"
+        raise DataError(f"{path}: {problem} (spec {spec.where}): a truncated download or another version "
+                        f"of the file; {refetch_hint(spec, root)}{other}")
     return path
 
 
@@ -395,9 +440,25 @@ def _label_words(spec: TaskSpec, label_words: Mapping[str, str] | None) -> dict[
     return {k: words[k] for k in default}
 
 
+def _check_split(spec: TaskSpec, role: str, examples: Sequence[Example], where: str, root: Path,
+                 labels: Sequence[str] | None) -> None:
+    """Refuse a split that cannot serve: one with no examples, or the demonstration pool ("train") of a
+    task with several classes holding a single one (class-balanced demonstrations need two or more).
+    ``where``: the file, for the message."""
+    if not examples:
+        raise DataError(f"task {spec.name!r}, split {role!r}: {where} holds no examples (spec {spec.where}): "
+                        f"an empty or cut-short file; {refetch_hint(spec, root)}")
+    present = {e.output for e in examples}
+    if role == "train" and labels is not None and len(labels) > 1 and len(present) < 2:
+        raise DataError(f"task {spec.name!r}, split 'train' (the demonstration pool, {where}): every example "
+                        f"has the label {present.pop()!r} of {list(labels)} (spec {spec.where}), but "
+                        f"class-balanced demonstrations need two or more classes: a cut-short or one-class "
+                        f"file; {refetch_hint(spec, root)}")
+
+
 def load_task(name: str, data_dir: str | os.PathLike | None = None, *,
               test_size: int | float | None = None, split_seed: int = 0,
-              label_words: Mapping[str, str] | None = None) -> Task:
+              label_words: Mapping[str, str] | None = None, verify: bool = False) -> Task:
     """Load task ``name`` as its spec says (module docstring; ``linicl.data.specs`` for the format).
 
     test_size: tasks read from one file only (spec ``files.all``): evaluation rows as a count or a
@@ -406,19 +467,28 @@ def load_task(name: str, data_dir: str | os.PathLike | None = None, *,
     split_seed: seed of the hash-ordered split (tasks read from one file).
     label_words: raw class -> label word, replacing the spec's words (e.g. ``TREC_LABEL_WORDS_PAPER``,
         ``CB_LABEL_WORDS_ABC``); for tasks whose spec maps raw labels to words.
+    verify: also compare each file's SHA-256 with its spec's (reads every file once more); the size is
+        compared on every load.
+
+    DataError: a missing, truncated (size), changed (``verify``) or malformed file; a split with no
+    examples; a classification task's demonstration pool with a single class.
     """
     root = resolve_data_dir(data_dir)
     spec = find_spec(name, root)
     words = _label_words(spec, label_words)
     labels = None if words is None else tuple(words.values())
-    paths = {role: _file(root, spec, f) for role, f in spec.files}
+    paths = {role: _file(root, spec, f, verify) for role, f in spec.files}
     parse = PARSERS[spec.format]
     if spec.fixed_split:
         if test_size is not None:
             raise LiniclError(f"test_size: task {name!r} has fixed train/test files; leave it None")
         train, test = (tuple(parse(paths[role], spec, words)) for role in ("train", "test"))
+        for role, part in (("train", train), ("test", test)):
+            _check_split(spec, role, part, str(paths[role]), root, labels)
     else:
         examples = parse(paths["all"], spec, words)
+        _check_split(spec, "all", examples, str(paths["all"]), root, labels)
         n = _n_test(spec.test_size if test_size is None else test_size, len(examples), name)
         train, test = split_examples(examples, n, split_seed, labels)
+        _check_split(spec, "train", train, f"split from {paths['all']}", root, labels)
     return Task(name, train, test, labels, template=spec.template, template_fields=spec.template_fields)

@@ -18,7 +18,6 @@ The data directory is ``data_dir``, else ``$LINICL_DATA_DIR``, else the per-user
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import os
 import re
@@ -31,7 +30,7 @@ from typing import Callable, Sequence
 
 from tqdm.auto import tqdm
 
-from linicl.data.datasets import locate_data_dir
+from linicl.data.datasets import file_problem, locate_data_dir, sha256_of
 from linicl.data.specs import TaskSpec, all_specs, find_spec
 from linicl.errors import DataError
 
@@ -53,14 +52,6 @@ def rebase_url(url: str, base_url: str | None) -> str:
     rest = urllib.parse.urlsplit(url)
     path = base.path.rstrip("/") + rest.path
     return urllib.parse.urlunsplit((base.scheme, base.netloc, path, rest.query, ""))
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _open(url: str, offset: int, timeout: float):
@@ -166,13 +157,24 @@ def _chosen(names: Sequence[str], root: Path) -> list[TaskSpec]:
     return specs
 
 
+def _check_writable(root: Path, source: str) -> None:
+    """DataError unless ``root`` is a directory or can be made one: the nearest existing path at or
+    above it must be a directory (``mkdir`` would otherwise fail with a bare NotADirectoryError)."""
+    here = next((p for p in (root, *root.parents) if p.exists()), None)
+    if here is not None and not here.is_dir():
+        what = "is a file" if here == root else f"lies under {here}, which is a file"
+        raise DataError(f"data directory {str(root)!r} (from {source}) {what}: expected a directory, or a path "
+                        f"where one can be created; pass --data-dir (or set LINICL_DATA_DIR to) a folder")
+
+
 def fetch(names: Sequence[str] = (), data_dir: str | os.PathLike | None = None, *,
           base_url: str | None = None, progress: bool = True, timeout: float = 60.0,
           log: Callable[[str], None] | None = None) -> list[Path]:
     """Download the files of tasks ``names`` (every task whose spec has URLs when empty) into the data
     directory (created if missing). ``base_url``: module docstring (default ``$LINICL_DATA_BASE_URL``).
     ``log`` receives one line per file. Returns every file of those tasks, all present and verified."""
-    root, _ = locate_data_dir(data_dir)
+    root, source = locate_data_dir(data_dir)
+    _check_writable(root, source)
     base_url = base_url if base_url is not None else os.environ.get(BASE_URL_ENV)
     say = log or (lambda line: None)
     done: dict[str, Path] = {}
@@ -183,7 +185,11 @@ def fetch(names: Sequence[str] = (), data_dir: str | os.PathLike | None = None, 
             dest = root / f.path
             url = rebase_url(f.url, base_url)
             was_there = dest.exists()
-            fresh = download(url, dest, f.sha256, size=f.size, progress=progress, timeout=timeout)
+            try:
+                fresh = download(url, dest, f.sha256, size=f.size, progress=progress, timeout=timeout)
+            except OSError as e:  # the data directory, not the network (those are DataErrors already)
+                raise DataError(f"{e.filename or dest}: {e.strerror or e} (fetching {f.path} of task "
+                                f"{spec.name!r} into {root})") from None
             state = ("replaced (its checksum differed)" if was_there else "downloaded") if fresh else "present"
             say(f"{spec.name}: {f.path} {state}")
             done[f.path] = dest
@@ -195,8 +201,9 @@ def fetch(names: Sequence[str] = (), data_dir: str | os.PathLike | None = None, 
 @dataclass(frozen=True)
 class TaskStatus:
     """One task in a data directory: ``where`` its files are (their common folder; None when some are
-    missing), the ``missing`` paths, ``size`` in bytes (of the files on disk when all are present,
-    else as the spec says, 0 when it does not), its licence, its spec and whether it can be fetched."""
+    missing or damaged), the ``missing`` paths, the ``damaged`` ones ("path: what differs from the
+    spec", size or SHA-256), ``size`` in bytes (of the files on disk when all are present, else as the
+    spec says, 0 when it does not), its licence, its spec and whether it can be fetched."""
     name: str
     where: Path | None
     missing: tuple[str, ...]
@@ -205,18 +212,23 @@ class TaskStatus:
     licence: str
     spec: str
     fetchable: bool
+    damaged: tuple[str, ...] = ()
 
 
 def _status(spec: TaskSpec, root: Path) -> TaskStatus:
     files = [f for _, f in spec.files]
     missing = tuple(f.path for f in files if not (root / f.path).is_file())
+    # Present files are hashed: a file cut short mid-line still parses (the issue's 10 of 1,821 rows).
+    damaged = tuple(f"{f.path}: {problem}" for f in files if f.path not in missing
+                    and (problem := file_problem(root / f.path, f, checksum=True)))
     if missing:
         size = sum(f.size or 0 for f in files)
         where = None
     else:
         size = sum((root / f.path).stat().st_size for f in files)
-        where = Path(os.path.commonpath([str((root / f.path).parent) for f in files]))
-    return TaskStatus(spec.name, where, missing, len(files), size, spec.licence, spec.where, _fetchable(spec))
+        where = None if damaged else Path(os.path.commonpath([str((root / f.path).parent) for f in files]))
+    return TaskStatus(spec.name, where, missing, len(files), size, spec.licence, spec.where, _fetchable(spec),
+                      damaged)
 
 
 def status(data_dir: str | os.PathLike | None = None) -> tuple[Path, str, list[TaskStatus]]:
@@ -237,7 +249,10 @@ def _human(n: float) -> str:
 def _where(row: TaskStatus) -> str:
     if row.where is not None:
         return str(row.where)
-    where = "not found" if len(row.missing) == row.n_files else f"incomplete (missing {', '.join(row.missing)})"
+    if row.damaged and not row.missing:
+        where = f"damaged ({'; '.join(row.damaged)})"
+    else:
+        where = "not found" if len(row.missing) == row.n_files else f"incomplete (missing {', '.join(row.missing)})"
     return where if row.fetchable else where + " (its spec has no download)"
 
 
@@ -246,13 +261,18 @@ def format_status(data_dir: str | os.PathLike | None = None) -> str:
     root, source, rows = status(data_dir)
     origin = {"data_dir": "--data-dir", "default": "the default cache; set LINICL_DATA_DIR or pass "
               "--data-dir to use another"}.get(source, source)
-    lines = [f"data directory: {root} ({origin}){'' if root.is_dir() else ' - does not exist yet'}"]
+    state = "" if root.is_dir() else " - not a directory" if root.exists() else " - does not exist yet"
+    lines = [f"data directory: {root} ({origin}){state}"]
     table = [("task", "where", "size", "licence")]
     for row in rows:
         table.append((row.name, _where(row), _human(row.size) if row.size else "?", row.licence))
     widths = [max(len(r[i]) for r in table) for i in range(3)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in table]
-    missing = [r.name for r in rows if r.where is None and r.fetchable]
+    damaged = [r.name for r in rows if r.damaged and r.fetchable]
+    if damaged:  # fetch replaces a file whose checksum differs
+        lines.append("download the damaged ones again with: linicl data fetch " + " ".join(damaged)
+                     + f" --data-dir {root}")
+    missing = [r.name for r in rows if r.where is None and not r.damaged and r.fetchable]
     if missing:
         every = len(missing) == sum(r.fetchable for r in rows)
         lines.append("get " + ("them" if every else "the missing ones") + " with: linicl data fetch"

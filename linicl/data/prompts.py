@@ -195,6 +195,11 @@ def _sample(task: Task, groups: list[np.ndarray], k: int, rng: np.random.Generat
     if k > sum(len(g) for g in groups):
         raise LiniclError(f"k={k} demonstrations requested but task {task.name!r} has only "
                           f"{sum(len(g) for g in groups)} in its demo pool")
+    if k and len(groups) > 1 and sum(len(g) > 0 for g in groups) < 2:
+        only = next(task.labels[j] for j, g in enumerate(groups) if len(g))
+        raise LiniclError(f"task {task.name!r}: class-balanced demonstrations need two or more classes, but "
+                          f"every example of its demo pool (split 'train') has the label {only!r} of "
+                          f"{list(task.labels)}; pass balanced=False to sample it as it is")
     if len(groups) == 1:
         return tuple(task.train[i] for i in rng.choice(groups[0], size=k, replace=False))
     # Round-robin over the labels in a seeded order; an exhausted label is skipped, so counts differ
@@ -217,7 +222,8 @@ def sample_demos(task: Task, k: int, seed: int | Sequence[int], *, balanced: boo
 
     Classification tasks with ``balanced=True``: class-balanced, chosen round-robin over the labels in
     a seeded order (k=5 over 3 labels: 2, 2, 1), then shuffled unless ``shuffle=False`` (which keeps
-    the round-robin order). Otherwise a plain seeded sample without replacement.
+    the round-robin order); a pool holding a single class is refused (k > 0). Otherwise a plain seeded
+    sample without replacement.
     """
     return _sample(task, _groups(task, balanced), _check_k(k), np.random.default_rng(seed), shuffle)
 
@@ -418,6 +424,9 @@ def build_eval_set(task: Task, tokenizer: TextEncoder, *, k: int, seed: int = 0,
     k = _check_k(k)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise LiniclError(f"seed must be an int >= 0, got {seed!r}")
+    if not task.test:  # an empty list of prompts would fail later, far from here (a rate of 0 of 0)
+        raise LiniclError(f"task {task.name!r}: its evaluation set (split 'test') is empty: no query to "
+                          f"build a prompt for")
     n = len(task.test) if n_eval is None else n_eval
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise LiniclError(f"n_eval must be an int >= 1 or None, got {n_eval!r}")

@@ -38,8 +38,10 @@ Keys of a spec (``?``: optional)::
     extra_files   ? [FILE, ...]: fetched with the task, never parsed (licence texts)
 
 FILE is a path relative to the data directory ("classification/cb/train.jsonl"), or an object
-{"path": ..., "url": ..., "sha256": ..., "size": ...}: ``url`` and ``sha256`` (together) let
-``linicl data fetch`` download and verify the file, ``size`` (bytes) is shown before a download.
+{"path": ..., "url": ..., "sha256": ..., "size": ...}: ``url`` (with ``sha256``: a download is always
+verified) lets ``linicl data fetch`` download the file; ``size`` (bytes) is compared with the file on
+every load, ``sha256`` by ``linicl data list`` and ``load_task(verify=True)`` (with or without a url: a
+copy of one's own may pin its files too).
 
 Malformed specs raise ``DataError`` naming the spec file and the key.
 """
@@ -160,8 +162,8 @@ class _Checker:
             raise self.fail(key, f"expected a path or an object with keys path, url, sha256, size; got "
                             f"{raw!r:.80}")
         url, sha, size = raw.get("url"), raw.get("sha256"), raw.get("size")
-        if (url is None) != (sha is None):
-            raise self.fail(key, "url and sha256 go together: a download is always verified")
+        if url is not None and sha is None:
+            raise self.fail(key, "a url needs its sha256: a download is always verified")
         if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
             raise self.fail(f"{key}.url", f"expected an http(s) URL, got {url!r:.80}")
         if sha is not None and (not isinstance(sha, str) or not _SHA256.fullmatch(sha)):

@@ -1,39 +1,47 @@
-"""Task loaders: the shared data folder (when LINICL_DATA_DIR is set, or `linicl data fetch` filled the
-cache), a small copy written here in the real formats (always), malformed files, missing directories,
-deterministic splits. (Specs: test_data_specs.py; downloads: test_data_fetch.py.)"""
+"""Task loaders: the data sets (the full ones when LINICL_DATA_DIR is set or `linicl data fetch` filled the
+cache, else the committed sample tests/fixtures/data), a small copy written here in the real formats,
+malformed, truncated and one-class files, missing directories, deterministic splits. (Specs:
+test_data_specs.py; downloads: test_data_fetch.py; the committed sample: test_data_fixture.py.)"""
 
 import collections
 import json
-import os
+import shutil
 import re
 from pathlib import Path
 
 import pytest
+from helpers import DATA_FIXTURE, data_dir, full_data_dir
 
 from linicl.data import (AGNEWS_LABEL_WORDS, CB_LABEL_WORDS_ABC, TREC_LABEL_WORDS_PAPER, DataError, Example,
                          list_tasks, load_task)
 from linicl.data import datasets as ds
+from linicl.data import specs
 from linicl.errors import LiniclError
 
 WORD_TASKS = ["antonym", "capitalize", "commonsense_qa", "country-capital", "country-currency",
               "english-french", "english-spanish", "landmark-country", "national_parks", "next_item",
               "person-instrument", "person-occupation", "present-past", "prev_item", "sentiment",
               "singular-plural", "synonym"]
-# (train, test) sizes of the fixed-split tasks in the shared folder (its README).
+# (train, test) sizes of the fixed-split tasks in the full data sets (the shared folder's README).
 FIXED_SIZES = {"sst2": (6920, 1821), "trec": (5452, 500), "agnews": (6600, 1000), "cb": (250, 56)}
 
 
 @pytest.fixture(scope="module")
 def shared_dir() -> Path:
-    """$LINICL_DATA_DIR, else the per-user cache when `linicl data fetch` has filled it."""
-    raw = os.environ.get(ds.ENV_VAR)
-    if raw:
-        return Path(raw)
-    cache = ds.default_data_dir()
-    if cache.is_dir() and len(list_tasks(cache)) >= len(FIXED_SIZES) + len(WORD_TASKS):
-        return cache
-    pytest.skip(f"no data sets: {ds.ENV_VAR} is not set and the cache {cache} is not complete; run "
-                f"`linicl data fetch` (downloads them into the cache) or set {ds.ENV_VAR}=../shared/data")
+    """The data sets: the full ones when here ($LINICL_DATA_DIR, or the cache `linicl data fetch` filled),
+    else the committed sample (helpers.data_dir)."""
+    return data_dir()
+
+
+@pytest.fixture(scope="module")
+def full_dir() -> Path:
+    """The full data sets, for the tests of the published files themselves (their checksums, row counts,
+    the fingerprints of every task): no sample can stand in for those."""
+    root = full_data_dir()
+    if root is None:
+        pytest.skip(f"checks the full data sets: {ds.ENV_VAR} is not set and the cache {ds.default_data_dir()} "
+                    f"is not complete; run `linicl data fetch` or set {ds.ENV_VAR}=../shared/data")
+    return root
 
 
 # ----------------------------------------------------------------------------- a tiny copy, real formats
@@ -65,9 +73,23 @@ def _jsonl(rows) -> str:
                    for i, (p, h, lab) in enumerate(rows))
 
 
+def own_spec(name: str) -> dict:
+    """The shipped spec of ``name`` for a copy of one's own: its files without url, size and sha256 (the
+    loaders compare a file's size with its spec's, and these are not the published files)."""
+    raw = json.loads((specs.SHIPPED_DIR / f"{name}.json").read_text(encoding="utf-8"))
+    raw["files"] = {role: entry["path"] for role, entry in raw["files"].items()}
+    raw.pop("extra_files", None)
+    return raw
+
+
+TINY_TASKS = ("sst2", "trec", "agnews", "cb", "antonym", "commonsense_qa")
+
+
 def write_tiny(root: Path, overrides: dict | None = None) -> Path:
-    """Write the tiny data set under root (files in ``overrides`` replace or add contents)."""
-    files = {"classification/sst2/stsa.binary.train": SST2_TRAIN,
+    """Write the tiny data set under root, with specs of its own (``own_spec``); files in ``overrides``
+    replace or add contents."""
+    files = {**{f"tasks/{name}.json": json.dumps(own_spec(name)) for name in TINY_TASKS},
+             "classification/sst2/stsa.binary.train": SST2_TRAIN,
              "classification/sst2/stsa.binary.test": SST2_TEST,
              "classification/trec/train.txt": TREC_TRAIN, "classification/trec/test.txt": TREC_TEST,
              "classification/agnews/test.csv": AGNEWS_CSV,
@@ -104,9 +126,9 @@ def test_every_task_loads_from_shared_folder(shared_dir, name):
         assert ex.output == ex.output.strip() and ex.output
         if task.labels is not None:
             assert ex.output in task.labels
-    if name in FIXED_SIZES:
+    if name in FIXED_SIZES and full_data_dir() is not None:
         assert (len(task.train), len(task.test)) == FIXED_SIZES[name]
-    else:  # the 30 % default, and nothing lost or duplicated by the split
+    elif name not in FIXED_SIZES:  # the 30 % default, and nothing lost or duplicated by the split
         n = len(json.loads((shared_dir / "word_tasks" / f"{name}.json").read_text(encoding="utf-8")))
         assert len(task.train) + len(task.test) == n and len(task.test) == round(0.3 * n)
     assert (task.labels is None) == (name not in {*FIXED_SIZES, "commonsense_qa", "sentiment"})
@@ -116,7 +138,9 @@ def test_shared_label_sets_and_cleanup(shared_dir):
     assert load_task("trec", shared_dir).labels == ("Short", "Entity", "Description", "Person", "Location",
                                                     "Number")
     agnews = load_task("agnews", shared_dir)
-    assert collections.Counter(e.output for e in agnews.test) == {w: 250 for w in AGNEWS_LABEL_WORDS.values()}
+    counts = collections.Counter(e.output for e in agnews.test)  # stratified: as many of each class
+    assert counts == {w: len(agnews.test) // 4 for w in AGNEWS_LABEL_WORDS.values()}
+    assert len(agnews.test) == 1000 or full_data_dir() is None
     texts = [e.input for e in agnews.train + agnews.test]
     assert not any(bad in t for t in texts for bad in ("\\", " #39;", " quot;", "&lt;", "  "))
     assert any("$" in t for t in texts) and any("'s" in t for t in texts)
@@ -181,8 +205,8 @@ def test_split_is_deterministic_and_independent_of_row_order(tmp_path):
 def test_env_var_fallback_and_argument_precedence(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv(ds.ENV_VAR, str(tiny))
     assert load_task("sst2").train == load_task("sst2", tiny).train
-    other = write_tiny(tmp_path / "other", {"classification/sst2/stsa.binary.train": "0 only one .\n"})
-    assert len(load_task("sst2", other).train) == 1                 # the argument wins over the env var
+    other = write_tiny(tmp_path / "other", {"classification/sst2/stsa.binary.train": "0 only one .\n1 two .\n"})
+    assert len(load_task("sst2", other).train) == 2                 # the argument wins over the env var
 
 
 def test_label_word_overrides_and_relabel(tiny):
@@ -260,3 +284,78 @@ def test_bad_split_arguments(tiny):
             load_task("antonym", tiny, test_size=bad)
     with pytest.raises(LiniclError, match="label_words"):
         load_task("antonym", tiny, label_words={"a": "b"})
+
+
+# ----------------------------------------------------------------------------- files that are not their spec's
+
+def test_a_file_cut_short_is_refused_on_load_naming_it_and_the_fix(tmp_path):
+    """The issue: a cached stsa.binary.test cut mid-line loaded as 10 of 1,821 rows. Every load compares
+    the size with the spec's: the committed sample's own spec, then the shipped one."""
+    root = shutil.copytree(DATA_FIXTURE, tmp_path / "data")
+    test = root / "classification/sst2/stsa.binary.test"
+    whole = test.read_bytes()
+    test.write_bytes(whole[:len(whole) // 2])  # mid-line: every line before the cut still parses
+    with pytest.raises(DataError) as err:
+        load_task("sst2", root)
+    message = str(err.value)
+    assert f"{test}: {len(whole) // 2:,} bytes where its spec says {len(whole):,}" in message
+    assert f"(spec {root / 'tasks' / 'sst2.json'}): a truncated download" in message
+    assert "linicl data fetch" not in message  # the sample's spec has no url: nothing to fetch
+    (root / "tasks" / "sst2.json").unlink()  # now the shipped spec, with its url, size and sha256
+    test.write_bytes(whole)
+    with pytest.raises(DataError) as err:
+        load_task("sst2", root)
+    message = str(err.value)
+    assert f"{root / 'classification/sst2/stsa.binary.train'}: " in message
+    assert f"where its spec says 738,844 (spec {specs.SHIPPED_DIR / 'sst2.json'})" in message
+    assert f"run `linicl data fetch sst2 --data-dir {root}` to download it again" in message
+
+
+def test_verify_compares_the_checksum_too(tmp_path):
+    """Same size, other bytes: only the SHA-256 tells (load_task(verify=True), `linicl data list`)."""
+    root = write_tiny(tmp_path / "data")
+    train = root / "classification/sst2/stsa.binary.train"
+    sha = ds.sha256_of(train)
+    pinned = {**own_spec("sst2"), "files": {"train": {"path": "classification/sst2/stsa.binary.train",
+                                                      "sha256": sha, "size": train.stat().st_size},
+                                            "test": "classification/sst2/stsa.binary.test"}}
+    (root / "tasks/sst2.json").write_text(json.dumps(pinned))
+    assert len(load_task("sst2", root, verify=True).train) == 4
+    train.write_text(SST2_TRAIN.replace("witty", "silly"))  # as long as before
+    assert len(load_task("sst2", root).train) == 4  # the size matches: a plain load cannot tell
+    with pytest.raises(DataError, match=rf"{re.escape(str(train))}: SHA-256 [0-9a-f]{{16}}\.\.\. where its "
+                                        rf"spec says {sha[:16]}\.\.\."):
+        load_task("sst2", root, verify=True)
+
+
+@pytest.mark.parametrize("rel, content, split", [
+    ("classification/sst2/stsa.binary.test", "", "test"),
+    ("classification/sst2/stsa.binary.test", "\n \n", "test"),
+    ("classification/sst2/stsa.binary.train", "", "train"),
+    ("classification/cb/val.jsonl", "", "test"),
+])
+def test_an_empty_split_is_refused_naming_task_split_and_file(tmp_path, rel, content, split):
+    root = write_tiny(tmp_path / "data", {rel: content})
+    task = rel.split("/")[1]
+    with pytest.raises(DataError, match=rf"task '{task}', split '{split}': {re.escape(str(root / rel))} holds no "
+                                        rf"examples"):
+        load_task(task, root)
+
+
+def test_a_one_class_demo_pool_is_refused_naming_task_split_and_file(tmp_path):
+    only_positive = "1 good .\n1 fine .\n1 great .\n"
+    root = write_tiny(tmp_path / "data", {"classification/sst2/stsa.binary.train": only_positive})
+    train = root / "classification/sst2/stsa.binary.train"
+    with pytest.raises(DataError, match=rf"task 'sst2', split 'train' \(the demonstration pool, "
+                                        rf"{re.escape(str(train))}\): every example has the label 'positive' of "
+                                        rf"\['negative', 'positive'\]"):
+        load_task("sst2", root)
+    # One file split in two: the pool is what the split leaves.
+    csv_text = "Class Index,Title,Description\n" + "".join(f"2,Game {i},A match.\n" for i in range(6))
+    root = write_tiny(tmp_path / "data2", {"classification/agnews/test.csv": csv_text})
+    with pytest.raises(DataError, match=r"task 'agnews', split 'train' \(the demonstration pool, split from "
+                                        r".*agnews/test.csv\): every example has the label 'Sports'"):
+        load_task("agnews", root, test_size=2)
+    # One class in the evaluation set is not refused (a subset of queries may well be one class).
+    root = write_tiny(tmp_path / "data3", {"classification/sst2/stsa.binary.test": "1 nice .\n"})
+    assert [e.output for e in load_task("sst2", root).test] == ["positive"]

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from test_data import shared_dir  # noqa: F401  (a fixture)
+from test_data import full_dir  # noqa: F401  (a fixture)
 
 from linicl import cli
 from linicl.data import DataError, list_tasks, load_task
@@ -212,6 +212,43 @@ def test_checksum_mismatch_names_file_and_both_sums_and_deletes(tmp_path, server
     assert not dest.exists() and not Path(f"{dest}.part").exists()
 
 
+def test_a_damaged_file_shows_in_the_list_and_is_fetched_again(tmp_path, server, capsys):
+    """A file cut short (size) or changed in place (SHA-256) is 'damaged' in `linicl data list`, which
+    says how to fetch it again; the fetch replaces it."""
+    root = with_spec(tmp_path / "data", nli_spec())
+    _fetch(root, server)
+    test = root / "nli/test.jsonl"
+    test.write_bytes(TEST.encode()[:100])
+    assert cli.main(["data", "list", "--data-dir", str(root)]) == 0
+    table = capsys.readouterr().out
+    assert re.search(rf"tiny_nli +damaged \(nli/test.jsonl: 100 bytes where its spec says {len(TEST):,}\)", table)
+    assert f"download the damaged ones again with: linicl data fetch tiny_nli --data-dir {root}" in table
+    with pytest.raises(DataError, match="nli/test.jsonl: 100 bytes"):
+        load_task("tiny_nli", root)
+    test.write_text(TEST.replace("Test claim 1.", "Test claim 9."))  # the same size
+    rows = {r.name: r for r in F.status(root)[2]}
+    assert rows["tiny_nli"].where is None and "SHA-256" in rows["tiny_nli"].damaged[0]
+    lines = []
+    _fetch(root, server, log=lines.append)
+    assert "tiny_nli: nli/test.jsonl replaced (its checksum differed)" in lines
+    row = {r.name: r for r in F.status(root)[2]}["tiny_nli"]
+    assert row.where == root / "nli" and not row.damaged
+
+
+def test_a_data_dir_under_a_file_is_refused_saying_what_was_expected(tmp_path, capsys):
+    """--data-dir below (or at) an existing file: a DataError saying a folder was expected, not a bare
+    NotADirectoryError from mkdir."""
+    file = tmp_path / "notes.txt"
+    file.write_text("not a folder\n")
+    for where, says in ((file / "data", f"lies under {file}, which is a file"), (file, "is a file")):
+        assert cli.main(["data", "fetch", "next_item", "--data-dir", str(where), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert f"linicl data fetch: error: data directory {str(where)!r} (from data_dir) {says}: expected a " \
+               f"directory" in err and "--data-dir" in err
+    assert cli.main(["data", "list", "--data-dir", str(file)]) == 0
+    assert f"data directory: {file} (--data-dir) - not a directory" in capsys.readouterr().out
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -283,8 +320,9 @@ def test_cli_data_fetch_and_list(tmp_path, server, capsys):
     assert "linicl data fetch: error: unknown task 'nope'" in capsys.readouterr().err
 
 
-def test_fetch_a_shipped_task_from_a_mirror_of_its_sources(tmp_path, shared_dir):  # noqa: F811
-    """The shipped specs' URLs and checksums, served from copies of the shared files."""
+def test_fetch_a_shipped_task_from_a_mirror_of_its_sources(tmp_path, full_dir):  # noqa: F811
+    """The shipped specs' URLs and checksums, served from copies of the full files."""
+    shared_dir = full_dir
     served = {}
     for name in ("trec", "next_item"):
         for f in specs.find_spec(name, None).all_files():

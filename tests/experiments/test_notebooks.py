@@ -10,6 +10,7 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+@pytest.mark.usefixtures("data_env")  # their data parts read the full data sets, else the committed sample
 def test_notebook_runs(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()

@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -100,7 +99,7 @@ def test_the_fingerprint_ignores_only_where_the_output_goes():
 
 
 @smollm2_only
-@pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"), reason="needs LINICL_DATA_DIR (CI sets it)")
+@pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
 def test_quick_run_writes_json_and_plot(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--quick", "--no-progress", "--out", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

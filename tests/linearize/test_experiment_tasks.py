@@ -4,7 +4,6 @@ task (where the few-shot "gain" is the model learning to answer with a label wor
 task the tokenizer cannot score is refused before any training, by name."""
 
 import importlib.util
-import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -19,8 +18,7 @@ from linicl.evaluate import evaluate
 
 SCRIPT = REPO / "experiments" / "linearize.py"
 FIXTURE = REPO / "tests" / "fixtures" / "hf" / "llama-tiny.gguf"
-needs_data = pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"),
-                                reason="needs the shared data (LINICL_DATA_DIR)")
+needs_data = pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
 
 
 def _experiment():

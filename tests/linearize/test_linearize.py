@@ -127,7 +127,7 @@ def test_next_token_loss_by_position(teacher, sequences):
     assert out["mean"] == pytest.approx(per.mean())
 
 
-@pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"), reason="needs the shared data (LINICL_DATA_DIR)")
+@pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
 def test_training_text_comes_from_the_training_split():
     tok = linicl.lm.load(REPO / "tests" / "fixtures" / "hf" / "gpt2-tiny").tokenizer
     a = LZ.training_sequences(tok, ["antonym", "sst2"], n=6, length=32, seed=3, bos=0)
@@ -144,7 +144,7 @@ def test_training_text_comes_from_the_training_split():
         LZ.training_sequences(tok, ["antonym"], n=1, length=8, split="dev")
 
 
-@pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"), reason="needs the shared data (LINICL_DATA_DIR)")
+@pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
 def test_quick_experiment_runs_and_the_converted_student_answers_as_the_prompted_one(tmp_path):
     run = subprocess.run([sys.executable, str(REPO / "experiments" / "linearize.py"), "--quick", "--no-progress",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
@@ -168,6 +168,7 @@ def test_quick_experiment_runs_and_the_converted_student_answers_as_the_prompted
     assert resumed["resumed"] and resumed["icl"] == report["icl"] and resumed["held_out"] == report["held_out"]
 
 
+@pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
 def test_train_only_writes_the_maps_and_the_stage1_record(tmp_path):
     """--train-only: stage 1 alone (e.g. to time it), maps and a JSON record, no evaluation (--quick: 4 steps)."""
     cmd = [sys.executable, str(REPO / "experiments" / "linearize.py"), "--quick", "--no-progress", "--train-only",
@@ -200,7 +201,7 @@ def test_shipped_smollm2_maps_load_and_convert_prompts_exactly():
     assert rel_err(model.apply(variables, query), ref) >= 1e-2
 
 
-@pytest.mark.skipif(not os.environ.get("LINICL_DATA_DIR"), reason="needs the shared data (LINICL_DATA_DIR)")
+@pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
 def test_stage2_in_the_experiment_stores_the_correction_with_the_maps(tmp_path):
     """--stage2-steps: LoRA distillation after stage 1 (--quick: 3 steps at most), recorded with its KL,
     and the maps file carries the correction; --sampled-seqs adds teacher samples to the training text."""
