@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import subprocess
 import sys
@@ -21,6 +22,28 @@ from linicl.metrics import rel_err  # noqa: F401  (re-exported for the tests)
 # The repository root and the committed HF reference checkpoints (tests live one folder deeper).
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
+# A committed sample of the data sets (tests/fixtures/make_data_fixture.py): what the data-reading tests
+# read where the full data sets are not (a fresh clone).
+DATA_FIXTURE = REPO / "tests" / "fixtures" / "data"
+
+
+def full_data_dir() -> pathlib.Path | None:
+    """The full data sets: ``$LINICL_DATA_DIR`` when set (made absolute: scripts run elsewhere), else
+    the per-user cache when ``linicl data fetch`` has put every shipped task there; None otherwise."""
+    from linicl.data import datasets, list_tasks, specs
+    if raw := os.environ.get(datasets.ENV_VAR):
+        return pathlib.Path(raw).expanduser().resolve()
+    cache = datasets.default_data_dir()
+    if cache.is_dir() and set(specs.all_specs(None)) <= set(list_tasks(cache)):
+        return cache
+    return None
+
+
+def data_dir() -> pathlib.Path:
+    """The data sets the tests read: the full ones (``full_data_dir``) when here, else the committed
+    fixture. Sizes of the full files are asserted only when ``full_data_dir()`` is not None."""
+    return full_data_dir() or DATA_FIXTURE
+
 
 # Exact identities in float64: the two sides differ only by the order of floating-point sums over at
 # most a few hundred terms per layer, a handful of layers deep. Each rounding is <= 2^-53 = 1.1e-16
@@ -101,9 +124,39 @@ def _structure(draw, n_heads: int) -> dict:
                 rope_style=draw(st.sampled_from(ROPE_STYLES)))
 
 
+# How a stored prompt reaches the query, by position handling: the strata every exactness property is
+# run on (``pytest.mark.parametrize("family", ...)``), so that no profile can draw too few examples to
+# see one. Each behaves differently at the prompt/query seam: nothing to carry ("position-free"), an
+# absolute offset ("learned", "rope-inputs"), a rope state re-based by R(-n) ("rope-features"), and the
+# exact window/sink keys kept with their positions ("window-sinks", finite-state configs only).
+OFFSET_FAMILIES = {
+    "position-free": dict(positions="none"),
+    "learned": dict(positions="learned"),
+    "rope-features": dict(positions="rope", rope_on="features"),
+    "rope-inputs": dict(positions="rope", rope_on="inputs"),
+}
+HYBRID_FAMILIES = {**OFFSET_FAMILIES, "window-sinks": {}}  # its positions are drawn
+
+
+def offset_family(cfg: linicl.ModelConfig) -> str:
+    """The stratum of ``OFFSET_FAMILIES`` / ``HYBRID_FAMILIES`` a config belongs to."""
+    if cfg.hybrid:
+        return "window-sinks"
+    if cfg.positions == "rope":
+        return "rope-inputs" if cfg.rope_on == "inputs" else "rope-features"
+    return {"none": "position-free", "learned": "learned"}[cfg.positions]
+
+
+def per_stratum(fraction: float, strata: int) -> settings:
+    """``examples(fraction)`` shared among ``strata`` parametrised strata (at least 2 each)."""
+    return settings(max_examples=max(2, round(settings.default.max_examples * fraction / strata)))
+
+
 @st.composite
-def linear_configs(draw, max_layers: int = 3, max_len: int = 128, **fixed) -> linicl.ModelConfig:
-    """Random float64 linear-attention configs over every option that matters for exactness."""
+def linear_configs(draw, max_layers: int = 3, max_len: int = 128, family: str = None,
+                   **fixed) -> linicl.ModelConfig:
+    """Random float64 linear-attention configs over every option that matters for exactness.
+    ``family``: one of ``OFFSET_FAMILIES`` (positions and where rope acts), else drawn."""
     n_heads = draw(st.sampled_from([1, 2, 3]))
     feature_map = fixed.get("feature_map", draw(st.sampled_from(FEATURE_MAPS)))
     head_dim = draw(st.sampled_from([2, 3, 4] if feature_map == "taylor2" else [2, 4, 6]))
@@ -116,7 +169,8 @@ def linear_configs(draw, max_layers: int = 3, max_len: int = 128, **fixed) -> li
         vocab_size=draw(st.integers(6, 40)), d_model=n_heads * head_dim,
         n_layers=draw(st.integers(1, max_layers)), n_heads=n_heads, d_ff=draw(st.sampled_from([4, 8, 16])),
         max_len=max_len, attention="linear", feature_map=feature_map, normalize=normalize, decay=decay,
-        positions=draw(st.sampled_from(POSITIONS)), **_structure(draw, n_heads),
+        **(OFFSET_FAMILIES[family] if family else dict(positions=draw(st.sampled_from(POSITIONS)))),
+        **_structure(draw, n_heads),
         activation=draw(st.sampled_from(["gelu", "gelu_tanh", "relu", "silu", "tanh"])),
         use_bias=draw(st.booleans()), tie_embeddings=draw(st.booleans()),
         form=draw(st.sampled_from(["auto", "parallel", "chunked", "recurrent"])),
@@ -167,19 +221,29 @@ smollm2_only = pytest.mark.skipif(not smollm2_installed(),
 
 
 @st.composite
-def finite_state_configs(draw, max_layers: int = 2, **fixed) -> linicl.ModelConfig:
+def finite_state_configs(draw, max_layers: int = 2, family: str = None, **fixed) -> linicl.ModelConfig:
     """Float64 linear configs over the finite-state options of the linearised models: hedgehog maps
     (m = d_head or not), rope on the features or the inputs, an exact window in {0, 1, 3, 8}, sinks
-    in {0, 1, 4}, with decay, positions, norms, grouped-query heads, forms and trainable biases."""
+    in {0, 1, 4}, with decay, positions, norms, grouped-query heads, forms and trainable biases.
+    ``family``: one of ``HYBRID_FAMILIES`` (no window or sinks unless "window-sinks", whose positions
+    are then drawn), else drawn."""
     n_heads = draw(st.sampled_from([1, 2, 3]))
-    window, sinks = draw(st.sampled_from([0, 1, 3, 8])), draw(st.sampled_from([0, 1, 4]))
+    if family is None or family == "window-sinks":
+        window, sinks = draw(st.sampled_from([0, 1, 3, 8])), draw(st.sampled_from([0, 1, 4]))
+        while family and not (window or sinks):  # a hybrid stratum: at least one exact token
+            window, sinks = draw(st.sampled_from([1, 3, 8])), draw(st.sampled_from([0, 1, 4]))
+    else:
+        window = sinks = 0
     hybrid = window > 0 or sinks > 0
     maps = ["hedgehog", "hedgehog", "elu+1", "relu", "taylor2"] + ([] if hybrid else ["identity"])
     feature_map = fixed.get("feature_map", draw(st.sampled_from(maps)))
     head_dim = draw(st.sampled_from([2, 3, 4] if feature_map == "taylor2" else [2, 4, 6]))
     if n_heads * head_dim < 4:  # LayerNorm of a 2-vector is +-1: a degenerate model
         head_dim = 4
-    positions = draw(st.sampled_from(POSITIONS))
+    drawn = family is None or family == "window-sinks"
+    positions = draw(st.sampled_from(POSITIONS)) if drawn else OFFSET_FAMILIES[family]["positions"]
+    rope_on = OFFSET_FAMILIES[family].get("rope_on", "features") if not drawn else (
+        draw(st.sampled_from(["features", "inputs"])) if positions == "rope" else "features")
     values = dict(
         vocab_size=draw(st.integers(6, 40)), d_model=n_heads * head_dim,
         n_layers=draw(st.integers(1, max_layers)), n_heads=n_heads, d_ff=draw(st.sampled_from([4, 8])),
@@ -188,9 +252,7 @@ def finite_state_configs(draw, max_layers: int = 2, **fixed) -> linicl.ModelConf
         normalize=hybrid or (feature_map != "identity" and draw(st.booleans())),
         decay=draw(st.one_of(st.none(), st.floats(0.5, 1.0),
                              st.lists(st.floats(0.5, 1.0), min_size=n_heads, max_size=n_heads))),
-        positions=positions,
-        rope_on=draw(st.sampled_from(["features", "inputs"])) if positions == "rope" else "features",
-        window=window, sinks=sinks, **_structure(draw, n_heads),
+        positions=positions, rope_on=rope_on, window=window, sinks=sinks, **_structure(draw, n_heads),
         activation=draw(st.sampled_from(["gelu", "relu", "silu"])), use_bias=draw(st.booleans()),
         form=draw(st.sampled_from(["auto", "parallel", "chunked", "recurrent"])),
         chunk_size=draw(st.sampled_from([2, 3, 16])), trainable_bias=draw(st.booleans()), dtype="float64")

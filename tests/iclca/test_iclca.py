@@ -11,8 +11,8 @@ from hypothesis import given, strategies as st
 import linicl
 from linicl import iclca
 from linicl.nn.transformer import position_offset
-from helpers import (BASELINE_MIN, EXACT_RTOL, apply, examples, init, linear_configs, prompt_and_query,
-                     rel_err, tokens)
+from helpers import (BASELINE_MIN, EXACT_RTOL, OFFSET_FAMILIES, apply, init, linear_configs, offset_family,
+                     per_stratum, prompt_and_query, rel_err, tokens)
 
 
 def _trace(*example):
@@ -31,9 +31,13 @@ def prompted(model, variables, prompt, query):
     return apply(model, variables, jnp.concatenate([prompt, query], axis=1))[:, n:]
 
 
-@given(cfg=linear_configs(), n=st.integers(1, 40), m=st.integers(1, 12), batch=st.integers(1, 3),
+@pytest.mark.parametrize("family", OFFSET_FAMILIES)
+@per_stratum(1.0, len(OFFSET_FAMILIES))
+@given(data=st.data(), n=st.integers(1, 40), m=st.integers(1, 12), batch=st.integers(1, 3),
        shared_prompt=st.booleans(), seed=st.integers(0, 2**16))
-def test_converted_equals_prompted(cfg, n, m, batch, shared_prompt, seed):
+def test_converted_equals_prompted(family, data, n, m, batch, shared_prompt, seed):
+    cfg = data.draw(linear_configs(family=family), label="cfg")
+    assert offset_family(cfg) == family
     _trace(cfg, n, m, batch, shared_prompt, seed)
     model, variables = init(cfg, seed)
     prompt, query = prompt_and_query(seed + 1, 1 if shared_prompt else batch, n, batch, m, cfg.vocab_size)
@@ -45,10 +49,13 @@ def test_converted_equals_prompted(cfg, n, m, batch, shared_prompt, seed):
     assert rel_err(apply(model, variables, query), reference) >= BASELINE_MIN
 
 
-@examples(0.6)
-@given(cfg=linear_configs(max_layers=2), n1=st.integers(1, 20), n2=st.integers(1, 20),
+@pytest.mark.parametrize("family", OFFSET_FAMILIES)
+@per_stratum(0.6, len(OFFSET_FAMILIES))
+@given(data=st.data(), n1=st.integers(1, 20), n2=st.integers(1, 20),
        seed=st.integers(0, 2**16))
-def test_converting_twice_equals_converting_the_concatenation(cfg, n1, n2, seed):
+def test_converting_twice_equals_converting_the_concatenation(family, data, n1, n2, seed):
+    cfg = data.draw(linear_configs(max_layers=2, family=family), label="cfg")
+    assert offset_family(cfg) == family
     model, variables = init(cfg, seed)
     p1, query = prompt_and_query(seed + 1, 1, n1, 2, 5, cfg.vocab_size)
     p2 = tokens(seed + 3, 1, n2, cfg.vocab_size)
@@ -62,10 +69,13 @@ def test_converting_twice_equals_converting_the_concatenation(cfg, n1, n2, seed)
     assert rel_err(apply(model, only_p2, query), apply(model, once, query)) >= BASELINE_MIN
 
 
-@examples(0.4)
-@given(cfg=linear_configs(max_layers=2), n=st.integers(1, 20), m=st.integers(1, 6),
+@pytest.mark.parametrize("family", OFFSET_FAMILIES)
+@per_stratum(0.4, len(OFFSET_FAMILIES))
+@given(data=st.data(), n=st.integers(1, 20), m=st.integers(1, 6),
        n_new=st.integers(1, 8), seed=st.integers(0, 2**16))
-def test_generation_from_converted_equals_generation_from_prompted(cfg, n, m, n_new, seed):
+def test_generation_from_converted_equals_generation_from_prompted(family, data, n, m, n_new, seed):
+    cfg = data.draw(linear_configs(max_layers=2, family=family), label="cfg")
+    assert offset_family(cfg) == family
     model, variables = init(cfg, seed)
     prompt, query = prompt_and_query(seed + 1, 1, n, 3, m, cfg.vocab_size)
     converted = iclca.convert(model, variables, prompt)
@@ -230,12 +240,15 @@ def _embeds(seed: int, batch: int, n: int, d_model: int) -> jax.Array:
     return jax.random.normal(jax.random.PRNGKey(seed), (batch, n, d_model), jnp.float64)
 
 
-@examples(0.5)
-@given(cfg=linear_configs(max_layers=2), n=st.integers(1, 30), m=st.integers(1, 8), batch=st.integers(1, 3),
+@pytest.mark.parametrize("family", OFFSET_FAMILIES)
+@per_stratum(0.5, len(OFFSET_FAMILIES))
+@given(data=st.data(), n=st.integers(1, 30), m=st.integers(1, 8), batch=st.integers(1, 3),
        seed=st.integers(0, 2**16))
-def test_continuous_prompt_converts_exactly(cfg, n, m, batch, seed):
+def test_continuous_prompt_converts_exactly(family, data, n, m, batch, seed):
     """A prompt of continuous tokens (``embeds``: in-context regression) converts like a token prompt;
     the converted model answers an embeds query and a token query as the prompted model does."""
+    cfg = data.draw(linear_configs(max_layers=2, family=family), label="cfg")
+    assert offset_family(cfg) == family
     model, variables = init(cfg, seed)
     prompt, query = _embeds(seed, 1, n, cfg.d_model), _embeds(seed + 1, batch, m, cfg.d_model)
     fwd = jax.jit(lambda v, e: model.apply(v, embeds=e))

@@ -17,8 +17,8 @@ from linicl.interventions import capture
 from linicl.kernels import feature_maps, hybrid_attention as hy
 from linicl.kernels.positions import apply_rope
 from linicl.names import PROMPT_STATE, block_site, layer_scope
-from helpers import (BASELINE_MIN, EXACT_RTOL, apply, examples, finite_state_configs, init,
-                     perturb_learned_maps, prompt_and_query, rel_err, tokens)
+from helpers import (BASELINE_MIN, EXACT_RTOL, HYBRID_FAMILIES, apply, examples, finite_state_configs, init,
+                     offset_family, per_stratum, perturb_learned_maps, prompt_and_query, rel_err, tokens)
 
 
 def _model(cfg, seed):
@@ -45,12 +45,15 @@ def _prompted(model, variables, prompt, query):
 
 
 # ------------------------------------------------------------------------- (a) the conversion
-@examples(0.8)
-@given(cfg=finite_state_configs(), n=st.integers(1, 12), m=st.integers(1, 6), batch=st.integers(1, 2),
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@per_stratum(0.8, len(HYBRID_FAMILIES))
+@given(data=st.data(), n=st.integers(1, 12), m=st.integers(1, 6), batch=st.integers(1, 2),
        seed=st.integers(0, 2**16))
-def test_converted_equals_prompted(cfg, n, m, batch, seed):
+def test_converted_equals_prompted(family, data, n, m, batch, seed):
     """Prompts shorter and longer than the window and the sinks: the query alone, continuing at the
     stored offset, is the prompted model at the query."""
+    cfg = data.draw(finite_state_configs(family=family), label="cfg")
+    assert offset_family(cfg) == family
     model, variables = _model(cfg, seed)
     prompt, query = prompt_and_query(seed + 1, 1, n, batch, m, cfg.vocab_size)
     reference = _prompted(model, variables, prompt, query)
@@ -62,9 +65,12 @@ def test_converted_equals_prompted(cfg, n, m, batch, seed):
 
 
 # ------------------------------------------------------------------- (b) repeated conversion
-@examples(0.5)
-@given(cfg=finite_state_configs(), n1=st.integers(1, 9), n2=st.integers(1, 9), seed=st.integers(0, 2**16))
-def test_converting_twice_equals_converting_the_concatenation(cfg, n1, n2, seed):
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@per_stratum(0.5, len(HYBRID_FAMILIES))
+@given(data=st.data(), n1=st.integers(1, 9), n2=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_converting_twice_equals_converting_the_concatenation(family, data, n1, n2, seed):
+    cfg = data.draw(finite_state_configs(family=family), label="cfg")
+    assert offset_family(cfg) == family
     model, variables = _model(cfg, seed)
     p1, query = prompt_and_query(seed + 1, 1, n1, 2, 4, cfg.vocab_size)
     p2 = tokens(seed + 3, 1, n2, cfg.vocab_size)
@@ -77,10 +83,13 @@ def test_converting_twice_equals_converting_the_concatenation(cfg, n1, n2, seed)
 
 
 # ----------------------------------------------------------------------------- (c) generation
-@examples(0.4)
-@given(cfg=finite_state_configs(), n=st.integers(1, 10), m=st.integers(1, 4), n_new=st.integers(1, 6),
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@per_stratum(0.4, len(HYBRID_FAMILIES))
+@given(data=st.data(), n=st.integers(1, 10), m=st.integers(1, 4), n_new=st.integers(1, 6),
        seed=st.integers(0, 2**16))
-def test_generation_after_conversion_equals_generation_after_the_prompt(cfg, n, m, n_new, seed):
+def test_generation_after_conversion_equals_generation_after_the_prompt(family, data, n, m, n_new, seed):
+    cfg = data.draw(finite_state_configs(family=family), label="cfg")
+    assert offset_family(cfg) == family
     model, variables = _model(cfg, seed)
     prompt, query = prompt_and_query(seed + 1, 1, n, 2, m, cfg.vocab_size)
     converted = iclca.convert(model, variables, prompt)
