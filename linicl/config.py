@@ -20,16 +20,16 @@ import numpy as np
 from linicl._validate import is_concrete
 from linicl.errors import ConfigError
 from linicl.kernels.feature_maps import feature_dim
-from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, DTYPES, FEATURE_MAPS,  # noqa: F401
-                          FORMS, GATES, MLPS, NONNEGATIVE_MAPS, NORM_TYPES, NORMS, POSITIONS, ROPE_ON,
-                          ROPE_STYLES, SKIPS, UPDATES)
+from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, CACHE_FORMS,  # noqa: F401
+                          DTYPES, FEATURE_MAPS, FORMS, GATES, MLPS, NONNEGATIVE_MAPS, NORM_TYPES, NORMS,
+                          POSITIONS, ROPE_ON, ROPE_STYLES, SKIPS, UPDATES)
 
 
 # Field kinds. Every field of ModelConfig is in exactly one of these (n_kv_heads and decay are checked
 # on their own); tests/library/test_config_validation.py checks that none is left out.
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size",
                   "mlp_depth")
-_NONNEGATIVE_INTS = ("feature_size", "window", "sinks")
+_NONNEGATIVE_INTS = ("feature_size", "window", "sinks", "cache")
 _BOOLS = ("normalize", "causal", "use_bias", "tie_embeddings", "trainable_bias")
 _OPTIONAL_BOOLS = ("final_norm", "attn_bias", "mlp_bias")  # None means "derived from other fields"
 _POSITIVE_FLOATS = ("rope_base", "ln_eps")
@@ -139,6 +139,13 @@ class ModelConfig:
       sinks: tokens at absolute positions < ``sinks`` stay exact for every later query. With a
         window or sinks the exact logits use the rotated q, k (rope, for either ``rope_on``), the
         state is never re-based and the query keeps absolute positions (the offset is kept).
+      cache: LoLA's sparse cache beside a window or sinks (``linicl.kernels.sparse_cache``): up to
+        ``cache`` tokens that have left the window stay exact, weighted like the window's; of the
+        cached tokens and each token leaving the window, the one the linear state recalls best from
+        its key (lowest |v - phi(k) S / (phi~(k).z + eps)|^2) enters (S, z) instead. No parameters,
+        so the state stays finite and the conversion exact. Needs a window or sinks (hence
+        attention="linear" and normalize=True) and form "auto" or "recurrent" (the selection is
+        sequential: "auto" runs the recurrent form). 0: no cache (the hybrid).
       norm: ``"pre"`` (with a final norm), ``"post"`` or ``"none"`` (no norm in the blocks).
       norm_type: ``"layernorm"`` (GPT-2: scale and bias) or ``"rmsnorm"`` (Llama: scale only).
       skip: how a block without norms adds its parts (``norm="none"`` only; the implicit-update
@@ -204,6 +211,7 @@ class ModelConfig:
     # Last, so that positional arguments and every older config keep their meaning.
     gate: str = "none"
     update: str = "add"
+    cache: int = 0
 
     def __post_init__(self):
         self._check_fields()
@@ -286,10 +294,26 @@ class ModelConfig:
         if self.rope_on == "inputs" and self.positions != "rope":
             raise ConfigError(f"ModelConfig.rope_on='inputs' needs positions='rope' "
                               f"(got {self.positions!r})")
+        self._check_cache()  # first: a bad cache hears "cache", not what the window needs
         for f in ("window", "sinks"):
             if getattr(self, f) and not self.normalize:
                 raise ConfigError(f"ModelConfig.{f} needs normalize=True: the exact and the linear "
                                   f"parts share one normaliser")
+
+    def _check_cache(self) -> None:
+        """The sparse cache extends the hybrid: it needs one, and the recurrent form."""
+        if not self.cache:
+            return
+        if not self.hybrid:
+            raise ConfigError(f"ModelConfig.cache={self.cache} keeps exact tokens beside a hybrid layer's "
+                              f"window or sinks; it needs attention='linear' with window >= 1 or sinks >= 1 "
+                              f"(got attention={self.attention!r}, window={self.window}, sinks={self.sinks})")
+        if not self.normalize:
+            raise ConfigError(f"ModelConfig.cache={self.cache} needs normalize=True: the cached, the "
+                              f"window's and the linear tokens share one normaliser")
+        if self.form not in CACHE_FORMS:
+            raise ConfigError(f"ModelConfig.cache={self.cache} needs form in {CACHE_FORMS} (its selection "
+                              f"is sequential; 'auto' runs the recurrent form), got form={self.form!r}")
 
     def _check_recurrence(self) -> None:
         """The gated and delta-rule recurrences (``gate``, ``update``): refuse the combinations that
@@ -426,7 +450,8 @@ class ModelConfig:
             parts += [self.feature_map + (f"{self.hedgehog_size}" if self.feature_map == "hedgehog" else ""),
                       "norm" if self.normalize else "unnorm"]
             if self.window or self.sinks:
-                parts.append(f"window={self.window}/sinks={self.sinks}")
+                parts.append(f"window={self.window}/sinks={self.sinks}"
+                             + (f"/cache={self.cache}" if self.cache else ""))
             if self.decay is not None:
                 parts.append("decay=" + (f"{self.decay}" if not isinstance(self.decay, tuple)
                                          else "per-head"))

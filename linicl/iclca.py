@@ -232,11 +232,12 @@ def state_floats(cfg: ModelConfig) -> int:
     """Floats stored per prompt (batch 1), independent of the prompt length: L * H * (d_phi * d_v + d_phi)
     (gated or not; the delta rule keeps no z: L * H * d_phi * d_v), plus, with a window or sinks, per
     buffered token its key, two feature vectors and value ((window - 1) * (d + 2 d_phi + d_v)) and per
-    sink its key and value (sinks * (d + d_v)). The buffers' int32 positions are not counted."""
+    sink its key and value (sinks * (d + d_v)), and per cache slot what a buffered token holds
+    (cache * (d + 2 d_phi + d_v)). The buffers' int32 positions are not counted."""
     F, d = cfg.feature_dim, cfg.head_dim
     per_head = F * d + (0 if cfg.update == "delta" else F)
     if cfg.hybrid:
-        per_head += max(cfg.window - 1, 0) * (d + 2 * F + d) + cfg.sinks * (d + d)
+        per_head += (max(cfg.window - 1, 0) + cfg.cache) * (d + 2 * F + d) + cfg.sinks * (d + d)
     return cfg.n_layers * cfg.n_heads * per_head
 
 

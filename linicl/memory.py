@@ -25,8 +25,9 @@ _PROJECTIONS = "W"
 
 def prompt_floats(variables: Mapping, *, projections: bool = True) -> int:
     """The number of floats stored for a prompt: every floating-point leaf of the prompt collections
-    (``names.PROMPT_COLLECTIONS``: exact states S, z; approximate bias terms B, b; exact sink keys and
-    values), for every row of a batch of prompts. Integer leaves (positions, offsets) are not floats.
+    (``names.PROMPT_COLLECTIONS``: exact states S, z and any window, sink or sparse-cache buffers;
+    approximate bias terms B, b; exact sink keys and values), for every row of a batch of prompts.
+    Integer leaves (positions, offsets) are not floats.
 
     Args:
       variables: a variables dict (0 when it holds no prompt).

@@ -14,7 +14,9 @@ collection          what it holds
                     layer, ``update="delta"``, keeps ``S`` alone). A layer with a
                     softmax window or sinks also keeps the fields of
                     ``linicl.kernels.hybrid_attention.HybridState`` (``win_*``, ``sink_*``: the
-                    window's and the sinks' keys, features, values and positions). Read as every
+                    window's and the sinks' keys, features, values and positions); with a cache
+                    (``ModelConfig.cache``) those of ``linicl.kernels.sparse_cache.SparseState``
+                    (``cache_*``; ``cache_pos`` per row and head). Read as every
                     later call's initial state.
 ``prompt_approx``   a softmax layer's kernel-approximated prompt, per layer ``layers_l/attn/approx``
                     (a ``linicl.iclca.PromptApprox``; ``iclca.convert_approx``).
@@ -57,6 +59,9 @@ MLPS = ("plain", "gated")
 ROPE_STYLES = ("interleaved", "half")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "tanh")
 FORMS = ("auto", "parallel", "chunked", "recurrent")
+# The forms of the sparse-cache layer (linicl.kernels.sparse_cache): its selection is sequential, so it
+# has the recurrent form only ("auto" runs it).
+CACHE_FORMS = ("auto", "recurrent")
 # Linear attention's data-dependent decay alpha_t = sigmoid(x_t W + b) in (0, 1] (linicl.kernels.
 # gated_attention): none; one per head and token (Mamba-2, Gated DeltaNet); one per head, token and
 # key feature (GLA).

@@ -3,7 +3,10 @@ trains.
 
 The student is the teacher's ``ModelConfig`` with ``attention="linear"``, the learned ``"hedgehog"``
 feature map (normalised: its features are positive) and, optionally, LoLCATs' exact softmax window
-and attention sinks. Rope sits on the inputs of the maps (``rope_on="inputs"``, as LoLCATs does for
+and attention sinks, and LoLA's sparse cache of exact tokens beside them (``cache``). The cache has
+no parameters: maps trained without it (e.g. the shipped SmolLM2 maps, ``load_maps``) serve a student
+with one unchanged, ``Transformer(student.cfg.replace(cache=C))`` with the same variables. Rope sits
+on the inputs of the maps (``rope_on="inputs"``, as LoLCATs does for
 rope-trained teachers: the maps see the same rotated q, k the teacher's softmax saw); a converted
 student then keeps the prompt's absolute positions (``position`` collection). Every other weight is
 the teacher's, unchanged: only the maps (``phi_q_W``, ``phi_q_b``, ``phi_k_W``, ``phi_k_b``) and, with
@@ -25,15 +28,16 @@ TRAINED = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate")
 
 
 def student_config(teacher: ModelConfig, *, window: int = 16, sinks: int = 4, feature_size: int = 0,
-                   rope_on: str = "inputs") -> ModelConfig:
-    """The student of a softmax ``teacher`` config (any position option; rope_on applies to rope)."""
+                   rope_on: str = "inputs", cache: int = 0) -> ModelConfig:
+    """The student of a softmax ``teacher`` config (any position option; rope_on applies to rope).
+    ``cache``: ``ModelConfig.cache`` (needs a window or sinks; the model then runs the recurrent form)."""
     if not isinstance(teacher, ModelConfig) or teacher.attention != "softmax":
         raise LiniclError(f"student_config needs the ModelConfig of a softmax teacher, got "
                           f"{getattr(teacher, 'attention', type(teacher).__name__)!r}")
     if not teacher.causal:
         raise LiniclError("student_config: the teacher must be causal (a linear state is causal)")
     return teacher.replace(attention="linear", feature_map="hedgehog", feature_size=feature_size,
-                           normalize=True, window=window, sinks=sinks,
+                           normalize=True, window=window, sinks=sinks, cache=cache,
                            rope_on=rope_on if teacher.positions == "rope" else "features")
 
 

@@ -18,7 +18,8 @@ Variable collections (their names and contents: ``linicl.names``):
   per query head, after the keys and values are repeated). x is the attention's input.
 * ``prompt_state`` (linear attention): ``S: [batch or 1, heads, d_phi, d_head]``, ``z: [batch or 1,
   heads, d_phi]``, the state a prompt left behind, read as the initial state (with a window or
-  sinks, every field of ``HybridState``; with ``update="delta"`` only ``S``, the delta rule's
+  sinks, every field of ``HybridState``; with a cache too, of ``sparse_cache.SparseState``, whose
+  ``cache_pos`` has a batch axis; with ``update="delta"`` only ``S``, the delta rule's
   ``DeltaState``). When the collection is mutable the final state is written
   back (re-based for rope on the features when nothing depends on absolute positions): that is
   ``iclca.convert``.
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
-from linicl.kernels import feature_maps, prompt_kernels
+from linicl.kernels import feature_maps, prompt_kernels, sparse_cache
 from linicl.kernels.delta_rule import DeltaState, delta_rule
 from linicl.kernels.gated_attention import gated_attention
 from linicl.kernels.hybrid_attention import empty_state, hybrid_attention
@@ -183,10 +184,12 @@ class Attention(nn.Module):
         cfg = self.cfg
         gate = self.param("gate", nn.initializers.zeros, (cfg.n_heads,), cfg.jnp_dtype)
         state, bias = self._initial_state(q.shape[0])
-        o, final = hybrid_attention(q, k, fq, fk, v, positions, state, gate=gate, window=cfg.window,
-                                    sinks=cfg.sinks, fq_den=q_den, fk_den=k_den,
-                                    log_gamma=self._log_gamma(), eps=cfg.attn_eps, form=cfg.form,
-                                    chunk_size=cfg.chunk_size)
+        kw = dict(gate=gate, window=cfg.window, sinks=cfg.sinks, fq_den=q_den, fk_den=k_den,
+                  log_gamma=self._log_gamma(), eps=cfg.attn_eps, form=cfg.form)
+        if cfg.cache:  # the hybrid plus LoLA's sparse cache (recurrent only)
+            o, final = sparse_cache.sparse_cache(q, k, fq, fk, v, positions, state, cache=cfg.cache, **kw)
+        else:
+            o, final = hybrid_attention(q, k, fq, fk, v, positions, state, chunk_size=cfg.chunk_size, **kw)
         self._store_all(final, bias, q.shape[2])
         return o
 
@@ -213,10 +216,12 @@ class Attention(nn.Module):
         return jnp.log(jnp.asarray(gammas, self.cfg.jnp_dtype))
 
     def _empty_state(self, batch: int):
-        """The zero state of this layer: ``LinearState``, (window/sinks) ``HybridState`` or (the delta
-        rule) ``DeltaState``."""
+        """The zero state of this layer: ``LinearState``, (window/sinks) ``HybridState``, (with a
+        cache) ``SparseState`` or (the delta rule) ``DeltaState``."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         F, H, dv = cfg.feature_dim, cfg.n_heads, cfg.head_dim
+        if cfg.cache:
+            return sparse_cache.empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, cfg.cache, dt)
         if cfg.hybrid:
             return empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, dt)
         if cfg.update == "delta":
@@ -225,8 +230,8 @@ class Attention(nn.Module):
 
     def _initial_state(self, batch: int):
         """The initial state broadcast to the batch: the trainable bias (if any) plus the stored state
-        (the running decode state when there is one, else the converted prompt's). Position fields
-        (``*_pos``, int32) carry no batch axis."""
+        (the running decode state when there is one, else the converted prompt's). The window's and
+        the sinks' positions (``sparse_cache.SHARED_POSITIONS``) carry no batch axis; the cache's do."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         F, H, dv = cfg.feature_dim, cfg.n_heads, cfg.head_dim
         empty = self._empty_state(1)
@@ -244,12 +249,14 @@ class Attention(nn.Module):
             for name in ("S", "z"):  # the (zero or bias) initial state; the delta rule has no z
                 if name in fields:
                     fields[name] = fields[name] + getattr(empty, name)
-        return type(empty)(**{n: a if n.endswith("_pos") else jnp.broadcast_to(a, (batch,) + a.shape[1:])
+        shared = sparse_cache.SHARED_POSITIONS
+        return type(empty)(**{n: a if n in shared else jnp.broadcast_to(a, (batch,) + a.shape[1:])
                               for n, a in fields.items()}), bias
 
     def _model_state(self) -> str:
         cfg = self.cfg
-        return (f"(window={cfg.window}, sinks={cfg.sinks}, update={cfg.update!r}) keeps "
+        cache = f"cache={cfg.cache}, " if cfg.cache else ""
+        return (f"(window={cfg.window}, sinks={cfg.sinks}, {cache}update={cfg.update!r}) keeps "
                 f"{list(self._empty_state(1)._fields)}")
 
     def _check_stored_names(self, stored: str) -> None:
@@ -266,7 +273,7 @@ class Attention(nn.Module):
             raise LiniclError(f"variables['{stored}'] of {self.path_str()} has no {name!r}; this model "
                               f"{self._model_state()}")
         a = self.get_variable(stored, name)
-        if name.endswith("_pos"):
+        if name in sparse_cache.SHARED_POSITIONS:
             ok = a.shape == zero.shape
         else:
             ok = a.ndim == zero.ndim and a.shape[1:] == zero.shape[1:]

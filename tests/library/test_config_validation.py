@@ -22,7 +22,7 @@ BAD = [
     *[(f, v) for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size")
       for v in (0, -3, 3.5, True, "64", None, np.float64(8.0))],
     ("mlp_depth", 1), ("mlp_depth", 2.0), ("mlp_depth", np.bool_(True)),
-    *[(f, v) for f in ("feature_size", "window", "sinks") for v in (-1, 1.5, True, "2", None)],
+    *[(f, v) for f in ("feature_size", "window", "sinks", "cache") for v in (-1, 1.5, True, "2", None)],
     ("n_kv_heads", 0), ("n_kv_heads", 2.0), ("n_kv_heads", True), ("n_kv_heads", "2"), ("n_kv_heads", 3),
     *[(f, v) for f in ("normalize", "causal", "use_bias", "tie_embeddings", "trainable_bias")
       for v in (1, 0, "yes", "False", None, np.int64(1), 1.0)],

@@ -1,0 +1,242 @@
+"""The hybrid of ``hybrid_attention`` plus a bounded sparse cache of exact key/value pairs (LoLA,
+arXiv 2505.23666), in its recurrent form.
+
+For one head, a query at absolute position t (notation of ``hybrid_attention``: rotated q_t, k_i for the
+exact logits, numerator features f_t, f_i, denominator features f~_t, f~_i, values v_i):
+
+    E(t) = {i <= t : i < sinks  or  t - i < window}  u  C(t)    (exact: sinks, window, the cache)
+    L(t) = {i <= t : i not in E(t)}                              (linear: everything else)
+    y_t  = [sum_{E} g gamma^(t-i) e^{q_t.k_i/sqrt(d) - c_t} v_i + sum_{L} gamma^(t-i) f_t.f_i v_i]
+         / [sum_{E} g gamma^(t-i) e^{q_t.k_i/sqrt(d) - c_t}   + sum_{L} gamma^(t-i) f~_t.f~_i + eps]
+
+with c_t = max_{i in E(t)} q_t.k_i/sqrt(d), the cache included. The cache C(t) holds at most ``cache``
+non-sink tokens that have left the window, chosen token by token with no parameters:
+
+* A non-sink token i leaving the window (where the hybrid would add it to (S, z): after the output of
+  step t for ``window >= 1``, before it for ``window = 0``, where the current token leaves at once) is
+  a candidate. With (S_t, z_t) the linear state at step t before anything is added (decayed to t),
+  every candidate and cached token j gets LoLA's self-recall error
+
+      pred_j = f_j S_t / (f~_j . z_t + eps),    score_j = |v_j - pred_j|^2
+
+  (eps the model's own normaliser epsilon; an empty state, f~_j . z_t + eps = 0, recalls nothing:
+  pred_j = 0). A token the state recalls well loses least by being linear.
+* If the cache has an empty slot, the candidate takes the first one (lowest slot index). Otherwise,
+  of the ``cache`` cached tokens and the candidate, the one with the lowest score enters (S, z),
+  weighted gamma^(t - j) like any token in S_t; a tie goes to the older (lower) position. If that
+  token is a cached one, the candidate takes its slot. The rule is sequential, hence one form only.
+
+The state (``SparseState``): the fields of ``HybridState`` and the cache's rotated keys, features,
+values and positions. Unlike the window's positions, which every row and head share, the cache's
+differ per row and head (the selection depends on the values): ``cache_pos: int32[batch, heads, C]``,
+-1 for an empty slot. With ``cache = 0`` every candidate enters (S, z): the hybrid, to rounding.
+
+Shapes: q, k: ``f[batch, heads, seq, d]``; fq, fk (and fq_den, fk_den): ``f[batch, heads, seq, F]``;
+v: ``f[batch, heads, seq, d_v]``; positions: ``int[seq]`` (consecutive); gate, log_gamma: ``f[heads]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from linicl.errors import LiniclError
+from linicl.kernels import hybrid_attention as hy
+from linicl.names import CACHE_FORMS
+
+# Position fields shared by every batch row and head (``int32[slots]``); every other field of a
+# ``HybridState`` or ``SparseState`` has a leading batch axis (cache_pos included).
+SHARED_POSITIONS = ("win_pos", "sink_pos")
+
+
+class SparseState(NamedTuple):
+    """The hybrid's state plus a cache of C exact tokens (W' = max(window - 1, 0), s = sinks)."""
+
+    S: jax.Array          # f[batch, heads, F, d_v]: linear part, sum gamma^(t-i) phi(k_i) v_i^T
+    z: jax.Array          # f[batch, heads, F]: sum gamma^(t-i) phi~(k_i)
+    win_k: jax.Array      # f[batch, heads, W', d]: rotated keys of the last W' tokens
+    win_fk: jax.Array     # f[batch, heads, W', F]
+    win_fkd: jax.Array    # f[batch, heads, W', F]
+    win_v: jax.Array      # f[batch, heads, W', d_v]
+    win_pos: jax.Array    # int32[W']: -1 for an empty slot (oldest first)
+    sink_k: jax.Array     # f[batch, heads, s, d]
+    sink_v: jax.Array     # f[batch, heads, s, d_v]
+    sink_pos: jax.Array   # int32[s]
+    cache_k: jax.Array    # f[batch, heads, C, d]: rotated keys of the cached tokens
+    cache_fk: jax.Array   # f[batch, heads, C, F]: their numerator features
+    cache_fkd: jax.Array  # f[batch, heads, C, F]: their denominator features
+    cache_v: jax.Array    # f[batch, heads, C, d_v]
+    cache_pos: jax.Array  # int32[batch, heads, C]: their positions, -1 for an empty slot (any order)
+
+    def hybrid(self) -> hy.HybridState:
+        """The fields the hybrid keeps (the state without its cache)."""
+        return hy.HybridState(*self[:_N_HYBRID])
+
+
+_N_HYBRID = len(hy.HybridState._fields)  # SparseState = HybridState's fields, then the cache's
+
+
+def empty_state(batch: int, heads: int, d: int, d_phi: int, d_v: int, window: int, sinks: int,
+                cache: int, dtype) -> SparseState:
+    """The state before any token: zeros, every slot empty."""
+    z = lambda *s: jnp.zeros((batch, heads) + s, dtype)  # noqa: E731
+    return SparseState(*hy.empty_state(batch, heads, d, d_phi, d_v, window, sinks, dtype),
+                       z(cache, d), z(cache, d_phi), z(cache, d_phi), z(cache, d_v),
+                       jnp.full((batch, heads, cache), -1, jnp.int32))
+
+
+def recall_error(fk, fkd, v, S, z, eps: float) -> jax.Array:
+    """LoLA's score |v_j - f_j S / (f~_j . z + eps)|^2 of ``n`` tokens: ``f[batch, heads, n]``.
+
+    fk, fkd: ``f[batch, heads, n, F]``; v: ``f[batch, heads, n, d_v]``; S, z: the linear state. A zero
+    denominator (an empty state with eps = 0) recalls nothing: the prediction is 0, not 0/0."""
+    num = jnp.einsum("bhnf,bhfd->bhnd", fk, S)
+    den = jnp.einsum("bhnf,bhf->bhn", fkd, z) + eps
+    empty = den == 0
+    pred = jnp.where(empty[..., None], 0, num / jnp.where(empty, 1, den)[..., None])
+    return jnp.sum((v - pred) ** 2, axis=-1)
+
+
+def _powers(gamma: Optional[jax.Array], age: jax.Array, valid: jax.Array, dtype) -> jax.Array:
+    """gamma_h^age where valid, else 0, for ``age: int[batch, heads, ...]`` (same shape out)."""
+    if gamma is None:
+        return valid.astype(dtype)
+    g = gamma.reshape((1, -1) + (1,) * (age.ndim - 2))
+    return jnp.where(valid, g ** jnp.where(valid, age, 0), 0)
+
+
+def _select(cache, cand, valid, S, z, eps: float):
+    """One candidate meets the cache. ``cache``: (k, fk, fkd, v) ``f[batch, heads, C, .]`` and pos
+    ``int32[batch, heads, C]``; ``cand``: (k, fk, fkd, v) ``f[batch, heads, .]`` and pos ``int32[]``;
+    ``valid``: ``bool[]`` (a real non-sink token). Returns the new cache, the token leaving for the
+    linear state ((fk, fkd, v) ``f[batch, heads, .]``, pos ``int32[batch, heads]``) and where one
+    leaves (``bool[batch, heads]``)."""
+    *slots, pos = cache
+    B, H, C = pos.shape
+    c_pos = jnp.broadcast_to(cand[-1], (B, H))
+    every = [jnp.concatenate([a, b[:, :, None]], 2) for a, b in zip(slots, cand[:-1])]  # [B, H, C+1, .]
+    every_pos = jnp.concatenate([pos, c_pos[..., None]], -1)
+    score = jax.lax.stop_gradient(recall_error(*every[1:], S, z, eps))
+    # The lowest score leaves; of equal scores the oldest (positions are distinct).
+    lowest = score == score.min(-1, keepdims=True)
+    out = jnp.argmin(jnp.where(lowest, every_pos, jnp.iinfo(jnp.int32).max), -1)  # [B, H] in [0, C]
+    free = pos < 0
+    has_free = free.any(-1)
+    slot = jnp.where(has_free, jnp.argmax(free, -1), out)  # slot == C: the candidate itself leaves
+    put = (jnp.arange(C) == slot[..., None]) & valid  # [B, H, C]
+    new = [jnp.where(put[..., None], b[:, :, None], a) for a, b in zip(slots, cand[:-1])]
+    new_pos = jnp.where(put, c_pos[..., None], pos)
+    take = lambda a: jnp.take_along_axis(a, out[:, :, None, None], 2)[:, :, 0]  # noqa: E731
+    leaving = tuple(take(a) for a in every[1:]) + (jnp.take_along_axis(every_pos, out[..., None], -1)[..., 0],)
+    return (*new, new_pos), leaving, valid & ~has_free
+
+
+def _admit(S, z, cache, cand, valid, t, gamma, eps: float):
+    """A token leaves the window: the cache keeps it or another token, the rest enters (S, z),
+    weighted gamma^(t - i). ``cache``, ``cand``, ``valid``: as ``_select``. Returns ``(S, z, cache)``."""
+    B, H = S.shape[:2]
+    if cache[-1].shape[-1]:
+        cache, (fk, fkd, v, pos), leaves = _select(cache, cand, valid, S, z, eps)
+    else:  # no cache: the candidate itself (the hybrid)
+        (_, fk, fkd, v, pos), leaves = cand, jnp.broadcast_to(valid, (B, H))
+    w = _powers(gamma, t - jnp.broadcast_to(pos, (B, H)), leaves, S.dtype)  # f[batch, heads]
+    S = S + w[..., None, None] * fk[..., :, None] * v[..., None, :]
+    return S, z + w[..., None] * fkd, cache
+
+
+def _read(q_t, fq_t, fqd_t, keys, vals, pos, mask, t, S, z, g, gamma, eps: float):
+    """The output at position t from the exact keys (``keys: f[batch, heads, n, d]``, ``pos,
+    mask: [batch, heads, n]``) and the linear state: ``f[batch, heads, d_v]``."""
+    logits = jnp.einsum("bhd,bhsd->bhs", q_t, keys) / math.sqrt(q_t.shape[-1])
+    logits = jnp.where(mask, logits, -jnp.inf)
+    c = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(c), c, 0)), 0)
+    e = g[None, :, None] * _powers(gamma, t - pos, mask, vals.dtype) * e
+    num = jnp.einsum("bhs,bhsd->bhd", e, vals) + jnp.einsum("bhf,bhfd->bhd", fq_t, S)
+    den = e.sum(-1) + jnp.einsum("bhf,bhf->bh", fqd_t, z)
+    return num / (den + eps)[..., None]
+
+
+def _exact_keys(st: SparseState, cache, k_t, v_t, t, window: int, sinks: int):
+    """Keys, values, positions and mask of E(t): sinks, window buffer, the current token and the
+    ``cache`` (as ``_select``'s) in that order, ``[batch, heads, s + W' + 1 + C, .]``. A buffered sink
+    is skipped (the sink buffer counts it)."""
+    B, H = k_t.shape[:2]
+    pos = jnp.concatenate([st.sink_pos, st.win_pos, t[None]])
+    n_s, n = st.sink_pos.shape[0], pos.shape[0]
+    in_win = (jnp.arange(n) >= n_s) & (jnp.arange(n) < n - 1)
+    mask = (pos >= 0) & ~(in_win & (pos < sinks)) & ((pos < sinks) | (t - pos < window))
+    c_k, _, _, c_v, c_pos = cache
+    keys = jnp.concatenate([st.sink_k, st.win_k, k_t[:, :, None], c_k], 2)
+    vals = jnp.concatenate([st.sink_v, st.win_v, v_t[:, :, None], c_v], 2)
+    pos = jnp.concatenate([jnp.broadcast_to(pos, (B, H, n)), c_pos], -1)
+    mask = jnp.concatenate([jnp.broadcast_to(mask, (B, H, n)), c_pos >= 0], -1)
+    return keys, vals, pos, mask
+
+
+def _push(st: SparseState, k_t, fk_t, fkd_t, v_t, t):
+    """Shift the window buffer by the current token: ``(window fields, popped (k, fk, fkd, v, pos))``;
+    without buffer slots the current token is popped."""
+    if not st.win_pos.shape[0]:
+        return st[2:7], (k_t, fk_t, fkd_t, v_t, t)
+    popped = (st.win_k[:, :, 0], st.win_fk[:, :, 0], st.win_fkd[:, :, 0], st.win_v[:, :, 0], st.win_pos[0])
+    shift = lambda buf, new: jnp.concatenate([buf[:, :, 1:], new[:, :, None]], 2)  # noqa: E731
+    win = (shift(st.win_k, k_t), shift(st.win_fk, fk_t), shift(st.win_fkd, fkd_t), shift(st.win_v, v_t),
+           jnp.concatenate([st.win_pos[1:], t[None]]))
+    return win, popped
+
+
+def _check(window: int, sinks: int, cache: int, state: SparseState) -> None:
+    if window < 1 and sinks < 1:
+        raise LiniclError("sparse_cache needs an exact part (window >= 1 or sinks >= 1), got window="
+                          f"{window}, sinks={sinks}")
+    if not isinstance(cache, int) or cache < 0:
+        raise LiniclError(f"sparse_cache: cache must be an int >= 0, got {cache!r}")
+    if state.cache_pos.shape[-1] != cache:
+        raise LiniclError(f"sparse_cache: the state has {state.cache_pos.shape[-1]} cache slots "
+                          f"(cache_pos{tuple(state.cache_pos.shape)}), but cache={cache}")
+
+
+def recurrent(q, k, fq, fk, v, positions, state: SparseState, *, gate, window: int, sinks: int,
+              cache: int, fq_den=None, fk_den=None, log_gamma=None, eps: float = 0.0):
+    """Token-by-token ``lax.scan``. Returns ``(o: f[batch, heads, seq, d_v], final_state)``."""
+    _check(window, sinks, cache, state)
+    fq_den = fq if fq_den is None else fq_den
+    fk_den = fk if fk_den is None else fk_den
+    gamma = None if log_gamma is None else jnp.exp(log_gamma)
+    g = jax.nn.sigmoid(gate)
+
+    def step(st: SparseState, x):
+        q_t, k_t, fq_t, fk_t, fqd_t, fkd_t, v_t, t = x  # f[batch, heads, .], int32[]
+        S, z = (st.S, st.z) if gamma is None else (st.S * gamma[:, None, None], st.z * gamma[:, None])
+        kept = st[_N_HYBRID:]  # the cache's fields
+        if window == 0:  # the current token leaves at once: it is selected before the output
+            S, z, kept = _admit(S, z, kept, (k_t, fk_t, fkd_t, v_t, t), t >= sinks, t, gamma, eps)
+        keys, vals, pos, mask = _exact_keys(st, kept, k_t, v_t, t, window, sinks)
+        o = _read(q_t, fq_t, fqd_t, keys, vals, pos, mask, t, S, z, g, gamma, eps)
+        win, popped = _push(st, k_t, fk_t, fkd_t, v_t, t)
+        if window > 0:
+            p = popped[-1]
+            S, z, kept = _admit(S, z, kept, popped, (p >= 0) & (p >= sinks), t, gamma, eps)
+        slot = jnp.arange(st.sink_pos.shape[0]) == t
+        sink_k = jnp.where(slot[:, None], k_t[:, :, None], st.sink_k)
+        sink_v = jnp.where(slot[:, None], v_t[:, :, None], st.sink_v)
+        return SparseState(S, z, *win, sink_k, sink_v, jnp.where(slot, t, st.sink_pos), *kept), o
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (q, k, fq, fk, fq_den, fk_den, v)) + (positions.astype(jnp.int32),)
+    final, o = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(o, 0, 2), final
+
+
+def sparse_cache(q, k, fq, fk, v, positions, state: SparseState, *, gate, window: int, sinks: int,
+                 cache: int, fq_den=None, fk_den=None, log_gamma=None, eps: float = 0.0,
+                 form: str = "auto"):
+    """The layer in the given form: ``"recurrent"`` (``"auto"`` picks it; there is no other)."""
+    if form not in CACHE_FORMS:
+        raise LiniclError(f"sparse_cache: form must be one of {CACHE_FORMS} (the cache's selection is "
+                          f"sequential), got {form!r}")
+    return recurrent(q, k, fq, fk, v, positions, state, gate=gate, window=window, sinks=sinks, cache=cache,
+                     fq_den=fq_den, fk_den=fk_den, log_gamma=log_gamma, eps=eps)
