@@ -21,8 +21,8 @@ from linicl._validate import is_concrete
 from linicl.errors import ConfigError
 from linicl.kernels.feature_maps import feature_dim
 from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, CACHE_FORMS,  # noqa: F401
-                          DTYPES, FEATURE_MAPS, FORMS, GATES, MLPS, NONNEGATIVE_MAPS, NORM_TYPES, NORMS,
-                          POSITIONS, ROPE_ON, ROPE_STYLES, SKIPS, UPDATES)
+                          DTYPES, FEATURE_MAPS, FORMS, GATES, MLPS, NO_LINEAR_PART, NONNEGATIVE_MAPS,
+                          NORM_TYPES, NORMS, POSITIONS, ROPE_ON, ROPE_STYLES, SKIPS, UPDATES)
 
 
 # Field kinds. Every field of ModelConfig is in exactly one of these (n_kv_heads and decay are checked
@@ -105,7 +105,10 @@ class ModelConfig:
       feature_map: linear attention's phi: ``"elu+1"``, ``"relu"``, ``"identity"``, ``"taylor2"``
         (phi(q).phi(k) = 1 + s + s^2/2 with s = q.k/sqrt(d_head)) or the learned ``"hedgehog"``
         (phi(x) = [softmax(xW + b), softmax(-(xW + b))], separate maps for queries and keys per
-        layer and head, initialised to W = identity, b = 0: ``linicl.kernels.feature_maps``).
+        layer and head, initialised to W = identity, b = 0: ``linicl.kernels.feature_maps``), or
+        ``"none"``: no linear part (one zero feature), so that a layer with a window or sinks is
+        softmax over its sinks and window alone (StreamingLLM; needs a window or sinks, and
+        rope_on="inputs" with rope): the untrained baseline of a linearized model.
       feature_size: hedgehog's m (d_phi = 2m); 0 means m = d_head. Hedgehog only.
       normalize: divide by phi(q).z (Katharopoulos); ``False`` is the unnormalised linear attention of
         the theory papers.
@@ -294,11 +297,25 @@ class ModelConfig:
         if self.rope_on == "inputs" and self.positions != "rope":
             raise ConfigError(f"ModelConfig.rope_on='inputs' needs positions='rope' "
                               f"(got {self.positions!r})")
+        self._check_no_linear_part()
         self._check_cache()  # first: a bad cache hears "cache", not what the window needs
         for f in ("window", "sinks"):
             if getattr(self, f) and not self.normalize:
                 raise ConfigError(f"ModelConfig.{f} needs normalize=True: the exact and the linear "
                                   f"parts share one normaliser")
+
+    def _check_no_linear_part(self) -> None:
+        """feature_map='none' leaves only the exact part: it needs one (a window or sinks), and rope
+        on q, k (there are no features to rotate)."""
+        if self.feature_map != NO_LINEAR_PART:
+            return
+        if self.attention != "linear" or not (self.window or self.sinks):
+            raise ConfigError(f"ModelConfig.feature_map='none' (no linear part) leaves only a window and "
+                              f"sinks; it needs attention='linear' with window >= 1 or sinks >= 1 (got "
+                              f"attention={self.attention!r}, window={self.window}, sinks={self.sinks})")
+        if self.positions == "rope" and self.rope_on != "inputs":
+            raise ConfigError("ModelConfig.feature_map='none' has no features to rotate: with "
+                              "positions='rope' it needs rope_on='inputs'")
 
     def _check_cache(self) -> None:
         """The sparse cache extends the hybrid: it needs one, and the recurrent form."""

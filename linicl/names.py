@@ -47,7 +47,10 @@ ATTENTION_KINDS = ("linear", "softmax")
 FEATURE_MAPS = ("elu+1", "relu", "identity", "taylor2")  # fixed maps: phi(x) alone
 # Maps with parameters per layer and head (``phi(x; W, b)``); ModelConfig accepts both kinds.
 LEARNED_FEATURE_MAPS = ("hedgehog",)
-ALL_FEATURE_MAPS = FEATURE_MAPS + LEARNED_FEATURE_MAPS
+# No linear part (one zero feature): with a window or sinks, sliding-window softmax with attention
+# sinks and nothing else, the untrained baseline of a linearized model (linearize.window_config).
+NO_LINEAR_PART = "none"
+ALL_FEATURE_MAPS = FEATURE_MAPS + LEARNED_FEATURE_MAPS + (NO_LINEAR_PART,)
 # Where rotary positions act in linear attention: on the features phi(q), phi(k) of the numerator
 # (relative; the state is re-based), or on q, k before phi (absolute; the offset is kept).
 ROPE_ON = ("features", "inputs")
@@ -72,7 +75,7 @@ UPDATES = ("add", "delta")
 DTYPES = ("float32", "float64", "bfloat16")
 # Feature maps whose inner products phi(q).phi(k) are never negative (a normalised linear attention
 # then has a positive denominator, up to the model's own epsilon).
-NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2", "hedgehog")
+NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2", "hedgehog", NO_LINEAR_PART)
 # iclca.convert_approx. "learned": a linearized student's trained query/key maps (linicl.linearize).
 APPROX_KERNELS = ("taylor2", "prf", "elu+1", "learned")
 # How the prompt terms join the input's softmax: one shared normaliser (in units of e^s), a fixed

@@ -40,11 +40,19 @@ def taylor2(x: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.ones_like(x[..., :1]), x, outer / math.sqrt(2.0)], axis=-1)
 
 
+def none(x: jax.Array) -> jax.Array:
+    """No linear part: one zero feature, ``f[..., 1]``. In a hybrid layer (window or sinks) every
+    linear term vanishes and the layer is softmax attention over its sinks and window alone (a
+    sliding window with attention sinks, StreamingLLM): the baseline of a linearized model."""
+    return jnp.zeros(x.shape[:-1] + (1,), x.dtype)
+
+
 FEATURE_MAPS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "elu+1": elu_plus_one,
     "relu": relu,
     "identity": identity,
     "taylor2": taylor2,
+    "none": none,
 }
 
 
@@ -86,4 +94,4 @@ def feature_dim(name: str, d: int, size: int = 0) -> int:
     if name == "hedgehog":
         return 2 * (size or d)
     get(name)
-    return 1 + d + d * d if name == "taylor2" else d
+    return {"taylor2": 1 + d + d * d, "none": 1}.get(name, d)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
-from linicl.names import PARAMS
+from linicl.names import NO_LINEAR_PART, PARAMS
 
 TRAINED = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate")
 
@@ -80,3 +80,19 @@ def merge(trained, frozen) -> dict:
     for key, value in trained.items():
         out[key] = merge(value, out.get(key, {})) if isinstance(value, Mapping) else value
     return out
+
+
+def window_config(teacher: ModelConfig, *, window: int, sinks: int = 4) -> ModelConfig:
+    """The untrained baseline of a student: the teacher's softmax restricted to its first ``sinks``
+    tokens and its last ``window`` (sliding-window attention with sinks, StreamingLLM), with no linear
+    part (``feature_map="none"``) and no maps to train. A finite state like the student's (its KV is
+    that of ``window - 1 + sinks`` tokens), so prompts convert exactly. Its variables:
+    ``student_variables(Transformer(cfg), teacher_variables)`` (its per-head window gates cancel between
+    numerator and denominator, up to the model's own epsilon)."""
+    if not isinstance(teacher, ModelConfig) or teacher.attention != "softmax":
+        raise LiniclError(f"window_config needs the ModelConfig of a softmax teacher, got "
+                          f"{getattr(teacher, 'attention', type(teacher).__name__)!r}")
+    if not teacher.causal:
+        raise LiniclError("window_config: the teacher must be causal")
+    return teacher.replace(attention="linear", feature_map=NO_LINEAR_PART, normalize=True, window=window,
+                           sinks=sinks, rope_on="inputs" if teacher.positions == "rope" else "features")
