@@ -1,0 +1,49 @@
+"""experiments/long_context.py: --help, and the quick run on the tiny fixture model and the committed
+data sample: every probe and method, converted = prompted, complete JSON, a plot, and --resume reuses
+the cells."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, json_numbers
+
+SCRIPT = REPO / "experiments" / "long_context.py"
+
+
+def test_help():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--quick", "--lengths", "--caches", "--windows", "--convert-check", "--resume", "--seed"):
+        assert flag in out
+
+
+@pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample
+def test_quick_run_writes_every_cell_and_resumes(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--no-progress", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "long_context.json").read_text())
+    methods = report["methods"]
+    assert methods[:2] == ["softmax", "student"] and "student+cache4" in methods
+    assert sum(m.startswith("window") for m in methods) == 2
+    assert {c["probe"] for c in report["cells"].values()} == {"passkey", "kv", "antonym k=2"}
+    for cell in report["cells"].values():
+        assert set(cell["methods"]) == set(methods)
+        for name, row in cell["methods"].items():
+            assert row["n"] == len(row["correct"]) == 2
+            if name != "softmax":
+                assert row["converted"]["answers_equal"] == row["converted"]["of"] == 1
+                assert row["converted"]["max_rel_err"] <= 1e-4
+    sizes = report["state_floats"]
+    student, windows = sizes["student"], [sizes[m] for m in methods if m.startswith("window")]
+    assert max(windows) <= student < max(windows) + sizes["softmax"] / 288  # the equal window: within a token
+    assert set(report["loss"]) == set(methods)
+    assert all(math.isfinite(x) for x in json_numbers(report))
+    assert (tmp_path / "long_context.png").exists()
+    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=1800)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = json.loads((tmp_path / "long_context.json").read_text())
+    assert resumed["resumed"] and resumed["cells"] == report["cells"] and resumed["wall_s"] < report["wall_s"]
