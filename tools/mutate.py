@@ -205,7 +205,7 @@ ROUND3 = (
            ("tests/linearize/test_stage2.py",)),
     Mutant("nll-unshifted", "the held-out next-token loss scores each position's own token",
            (_edit("linicl/linearize/quality.py", "tokens[:, 1:, None]", "tokens[:, :-1, None]"),),
-           ("tests/linearize/test_linearize.py",)),
+           ("tests/linearize/test_linearize.py::test_next_token_loss_by_position",)),
 )
 SETS = {"round1-2": MUTANTS, "round3": ROUND3}
 

@@ -125,6 +125,11 @@ def test_next_token_loss_by_position(teacher, sequences):
     assert len(per) == sequences.shape[1] - 1 and out["n"] == 5
     assert out["by_position"]["0-3"] == pytest.approx(per[:4].mean()) and "8-18" in out["by_position"]
     assert out["mean"] == pytest.approx(per.mean())
+    # Each position's loss predicts the NEXT token: -log p(x_{t+1} | x_0..x_t), from the logits directly.
+    seqs = np.asarray(sequences[:5])
+    lp = np.asarray(jax.nn.log_softmax(model.apply(variables, jnp.asarray(seqs)).astype(jnp.float32), axis=-1))
+    want = -np.take_along_axis(lp[:, :-1], seqs[:, 1:, None], axis=-1)[..., 0].mean(axis=0)
+    np.testing.assert_allclose(per, want, rtol=1e-5)  # float32 log-softmax on both sides
 
 
 @pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
