@@ -49,7 +49,10 @@ from linicl.memory import kv_cache_floats, prompt_floats
 from linicl.metrics import rel_err
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf", "llama-tiny.gguf")
-PROGRESS_IGNORES = ("out", "progress", "resume", "plots")
+# Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
+# or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
+PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
+                    "shots", "shot_tasks")
 EQUAL = "equal"  # --windows: the window whose KV cache matches the student's state
 
 
