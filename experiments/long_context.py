@@ -58,20 +58,20 @@ EQUAL = "equal"  # --windows: the window whose KV cache matches the student's st
 
 def parse_args(argv=None):
     p = reporting.argument_parser(__doc__)
-    reporting.add_common_args(p, out="results/long_context", quick="tiny fixture model, 2 lengths, 3 prompts a cell",
+    reporting.add_common_args(p, out="results/long_context", quick="tiny fixture model, one length, 2 prompts a cell",
                               seed="seeds the prompts (keys, depths, filler, demonstrations)", data_dir=True,
                               plots=True)
     p.add_argument("--model", default=None, help="teacher: HF directory or .gguf (default SmolLM2-135M-Instruct)")
     p.add_argument("--maps", default=None, help="student maps (default: the shipped SmolLM2 maps)")
-    p.add_argument("--lengths", type=reporting.positive_int_list, default=[512, 1024, 2048, 4096],
+    p.add_argument("--lengths", nargs="+", type=reporting.positive_int, default=[512, 1024, 2048, 4096],
                    help="prompt lengths in tokens")
     p.add_argument("--n", type=reporting.positive_int, default=24, help="prompts per (probe, length) cell")
     p.add_argument("--probes", nargs="+", default=["passkey", "kv", "shots", "loss"],
                    choices=["passkey", "kv", "shots", "loss"])
     p.add_argument("--pairs", type=reporting.positive_int, default=8, help="key-value lines per prompt")
-    p.add_argument("--shots", type=reporting.positive_int_list, default=[128], help="demonstrations k")
+    p.add_argument("--shots", nargs="+", type=reporting.positive_int, default=[128], help="demonstrations k")
     p.add_argument("--shot-tasks", nargs="+", default=["country-capital", "present-past"])
-    p.add_argument("--caches", type=reporting.nonnegative_int_list, default=[64],
+    p.add_argument("--caches", nargs="+", type=reporting.nonnegative_int, default=[64],
                    help="sparse-cache sizes of the student+cache methods (0: none)")
     p.add_argument("--windows", nargs="+", default=["student", EQUAL],
                    help="window-only baselines: 'student' (its window), 'equal' (its state size) or a number")

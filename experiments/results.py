@@ -151,6 +151,22 @@ EXPERIMENTS = {
         cmd=["experiments/benchmarks/compile_speed.py"], quick=["--quick"], json="compile_speed.json",
         plots=[], reference="No paper; issue targets: generate 20 tokens <= 3 s at a new shape, forward <= 1 s "
                             "with a warm cache, `linicl verify` <= 60 s."),
+    "long_context": dict(
+        title="Long prompts: passkey, key-value recall and many-shot ICL on SmolLM2 (finite states vs windows)",
+        cmd=["experiments/long_context.py", "--resume"], quick=["--quick"],
+        full=["--lengths", "512", "1024", "2048", "--n", "14", "--probes", "passkey", "shots", "--caches", "64",
+              "--convert-check", "2"],
+        json="long_context.json", plots=["long_context.png"],
+        reference="LoLA (arXiv 2505.23666): a sparse cache lifts passkey at 4K from 0.6 % to 97.4 % on a "
+                  "linearized Llama-3-8B with no training; a 2026 study (arXiv 2608.28444): window 64 + 4 sinks "
+                  "with no training keeps 17-23 % of full attention on 4K needle tests, LoLCATs <= 5.8 % "
+                  "(linearization.md section 7; their figures, not re-measured)."),
+    "eval_speed": dict(
+        title="Benchmark: greedy evaluation with the decode cache against prefix re-runs",
+        cmd=["experiments/benchmarks/eval_speed.py"], quick=["--quick"],
+        full=["--lengths", "1024", "--n", "8", "--rounds", "2"], json="eval_speed.json", plots=[],
+        reference="No paper; issue target: >= 5x faster per query than re-running every prefix at 1K-token "
+                  "prompts. Both paths measured in the same run, in alternating rounds."),
     "lm_speed": dict(
         title="Benchmark: GPT-2-small-sized forward and SmolLM2",
         cmd=["experiments/benchmarks/lm_speed.py"], quick=["--quick"], json="lm_speed.json",

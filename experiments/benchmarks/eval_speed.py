@@ -40,7 +40,7 @@ def parse_args(argv=None):
     reporting.add_common_args(p, out="results/eval_speed", quick="tiny fixture model, short prompts, 1 round",
                               seed="seeds the random prompts", progress=False)
     p.add_argument("--model", default=None, help="HF directory or .gguf (default SmolLM2-135M-Instruct)")
-    p.add_argument("--lengths", type=reporting.positive_int_list, default=[256, 1024])
+    p.add_argument("--lengths", nargs="+", type=reporting.positive_int, default=[256, 1024])
     p.add_argument("--n", type=reporting.positive_int, default=8, help="prompts per length")
     p.add_argument("--new", type=reporting.positive_int, default=8, help="new tokens per answer")
     p.add_argument("--batch-size", type=reporting.positive_int, default=4)
