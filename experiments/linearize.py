@@ -468,11 +468,7 @@ def main(argv=None) -> int:
     report["pooled_gain"] = pooled_gain(report["icl"], args)
     report["timing"] = timing(student, sv, args)
     report["wall_s"] = time.perf_counter() - t0
-    report["table"] = text = tables(report)
-    reporting.write_json(os.path.join(args.out, "linearize.json"), report)
-    print(text)
-    png = reporting.plot(os.path.join(args.out, "linearize.png"), figure, report) if args.plots else None
-    print(f"wrote {args.out}/linearize.json" + (" and linearize.png" if png else "") + f" ({report['wall_s']:.0f} s)")
+    reporting.publish(args.out, "linearize", report, tables(report), figure, args.plots)
     return 0
 
 

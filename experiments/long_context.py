@@ -297,11 +297,7 @@ def main(argv=None) -> int:
                 model, variables, rows, batch_size=1, buckets=(0, 64, 256, 512, 1024, 2048, 4096)))
             report["loss"][name] = {k: v for k, v in got.items() if k != "per_position"}
     report["wall_s"] = time.perf_counter() - t0
-    report["table"] = text = tables(report)
-    reporting.write_json(os.path.join(args.out, "long_context.json"), report)
-    print(text)
-    png = reporting.plot(os.path.join(args.out, "long_context.png"), figure, report) if args.plots else None
-    print(f"wrote {args.out}/long_context.json" + (" and long_context.png" if png else "") + f" ({report['wall_s']:.0f} s)")
+    reporting.publish(args.out, "long_context", report, tables(report), figure, args.plots)
     return 0
 
 

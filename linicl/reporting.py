@@ -208,6 +208,17 @@ def plot(path, draw: Callable, *args, dpi: int = 110) -> Optional[Path]:
     return path
 
 
+def publish(out, name: str, report: dict, table: str, figure: Optional[Callable] = None, plots: bool = True) -> None:
+    """The end of an experiment: ``report["table"] = table``, ``OUT/name.json``, the table printed, and
+    ``OUT/name.png`` from ``figure(plt, report)`` (when given and ``plots``); says what it wrote."""
+    report["table"] = table
+    write_json(Path(out) / f"{name}.json", report)
+    print(table)
+    png = plot(Path(out) / f"{name}.png", figure, report) if figure is not None and plots else None
+    wall = f" ({report['wall_s']:.0f} s)" if "wall_s" in report else ""
+    print(f"wrote {out}/{name}.json" + (f" and {name}.png" if png else "") + wall)
+
+
 # ------------------------------------------------------------------------------ resumable runs
 def fingerprint(settings: dict, ignore: Sequence[str] = ()) -> str:
     """A short hash of the settings that change a result (``ignore``: output folder, progress bars and

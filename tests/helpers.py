@@ -276,6 +276,16 @@ def perturb_learned_maps(variables, seed: int, scale: float = 0.5):
     return {**variables, "params": jax.tree_util.tree_map_with_path(perturb, variables["params"])}
 
 
+def load_module(path, name: str):
+    """The Python file at ``path`` imported as a fresh module ``name`` (experiment scripts and test
+    modules sit in folders that are not packages)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_script(script, *args) -> str:
     """Run an experiment script from the repository root; assert it succeeds; return its stdout."""
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=REPO)

@@ -3,11 +3,10 @@ are not: it is the script's output, its specs are the shipped ones but for its o
 what its spec says, and every task loads with all its classes on both sides."""
 
 import collections
-import importlib.util
 import json
 
 import pytest
-from helpers import DATA_FIXTURE, REPO
+from helpers import DATA_FIXTURE, REPO, load_module
 from test_data import full_dir  # noqa: F401  (a fixture)
 
 from linicl.data import list_tasks, load_task, specs
@@ -16,10 +15,7 @@ SCRIPT = REPO / "tests" / "fixtures" / "make_data_fixture.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("make_data_fixture", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(SCRIPT, "make_data_fixture")
 
 
 def _without_downloads(raw: dict) -> dict:

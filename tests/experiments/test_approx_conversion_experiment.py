@@ -120,11 +120,8 @@ def test_quick_run_writes_complete_json_and_plots(tmp_path):
 
 
 def _script():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("approx_conversion", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from helpers import load_module
+    return load_module(SCRIPT, "approx_conversion")
 
 
 def _tasks(variants: dict) -> dict:

@@ -8,12 +8,11 @@ Each property below is parametrised by stratum and asserts that its drawn config
 this module counts the strata each property is run on, so none can silently drop out."""
 
 import functools
-import importlib.util
 
 import pytest
 
 import linicl
-from helpers import HYBRID_FAMILIES, OFFSET_FAMILIES, REPO, offset_family
+from helpers import HYBRID_FAMILIES, OFFSET_FAMILIES, REPO, load_module, offset_family
 
 PROPERTIES = [
     ("iclca/test_iclca.py", "test_converted_equals_prompted", OFFSET_FAMILIES),
@@ -31,10 +30,7 @@ FAMILY_PROPERTIES = ["test_converted_equals_prompted", "test_converting_twice_eq
 @functools.lru_cache(maxsize=None)
 def _module(path: str):
     """A test module by its path under tests/ (the folders are not packages)."""
-    spec = importlib.util.spec_from_file_location(f"strata_{path.replace('/', '_')[:-3]}", REPO / "tests" / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "tests" / path, f"strata_{path.replace('/', '_')[:-3]}")
 
 
 def _parametrized(fn, argname: str) -> list:
