@@ -3,9 +3,9 @@
 Every method reads the same prompts of an exact token length (``linicl.data.long_context``):
 
 1. **passkey**: a 5-digit key at a uniform depth of natural filler text (AG News test split), asked
-   for at the end; exact match of the greedy answer.
+   for at the end; right when the greedy answer's first number is the key (``key_answered``).
 2. **key-value recall**: ``--pairs`` "The code for <word> is <4 digits>." lines spread through the
-   filler, one asked for at the end (MQAR written in words); exact match.
+   filler, one asked for at the end (MQAR written in words); scored the same way.
 3. **many-shot ICL**: k demonstrations (``--shots``, shared by every query) of word tasks, scored as
    ``linicl.evaluate`` does (exact match of the greedy answer).
 4. **held-out next-token loss by position** on filler text of the longest length.
@@ -170,12 +170,17 @@ def converted_check(model, variables, prompts, predictions, tok, max_new: int) -
     return dict(answers_equal=same, of=len(prompts), max_rel_err=max(errs))
 
 
-def cell(name, model, variables, finite, prompts, tok, args, max_new: int) -> dict:
+def cell(name, model, variables, finite, prompts, tok, args, max_new: int, keyed: bool) -> dict:
+    """One method on one cell's prompts: accuracy (``keyed``: by ``long_context.key_answered``, else
+    exact match as ``linicl.evaluate`` scores), its state's floats, and the converted = prompted check."""
     t0 = time.perf_counter()
     res = evaluate_prompts(model, variables, tok, prompts, label_prefix=" ", max_new_tokens=max_new,
                            batch_size=args.batch_size, progress=False)
-    row = dict(method=name, correct=res.correct.astype(int).tolist(), predictions=list(res.predictions),
-               accuracy=res.accuracy, wilson=list(stats.wilson(int(res.correct.sum()), res.n)), n=res.n,
+    correct = res.correct
+    if keyed:  # passkey / key-value: the answer's first number must be the key
+        correct = np.asarray([lc.key_answered(a, p.label) for a, p in zip(res.predictions, prompts)])
+    row = dict(method=name, correct=correct.astype(int).tolist(), predictions=list(res.predictions),
+               accuracy=float(correct.mean()), wilson=list(stats.wilson(int(correct.sum()), res.n)), n=res.n,
                eval_s=time.perf_counter() - t0, tokens=int(len(prompts[0])))
     if finite:
         row["state_floats"] = (window_floats(model) if model.cfg.feature_map == "none"
@@ -280,7 +285,7 @@ def main(argv=None) -> int:
             done = prog.get(f"{key} | {name}")
             if done is None:
                 done = prog.put(f"{key} | {name}", cell(name, model, variables, finite, prompts, tok, args,
-                                                         max_new or 8))
+                                                         max_new or 8, keyed=L is not None))
             cells[key]["methods"][name] = done
             bar.update()
     bar.close()

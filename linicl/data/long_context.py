@@ -13,12 +13,13 @@ The filler is natural text (``filler_stream``: test-split inputs of a text task,
 by blank lines), tokenized once and cut to length, so every prompt of a call has exactly
 ``n_tokens`` tokens (BOS included): one compiled shape per length, and lengths that mean what they
 say. The filler never contains a key line. Prompts are ``linicl.data.Prompt``-s whose ``label`` is the
-key without its leading space (scored like an open-ended task: exact match after ``label_prefix=" "``).
+key without its leading space; ``key_answered`` scores a generated answer (its first number must be the key).
 Roles: BOS, INSTRUCTION (the instruction and the key lines), DEMO_INPUT (filler), QUERY (the question).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Optional, Sequence
 
 import numpy as np
@@ -40,6 +41,13 @@ KV_NAMES = ("apple", "river", "tiger", "candle", "mirror", "garden", "rocket", "
             "forest", "button", "dragon", "pencil", "silver", "window", "anchor", "basket", "cactus", "falcon",
             "helmet", "island", "jacket", "ladder", "magnet", "needle", "orange", "parrot", "saddle", "tunnel",
             "wallet", "yogurt")
+
+
+def key_answered(answer: str, key: str) -> bool:
+    """Whether a generated ``answer`` gives ``key``: its first run of digits is the key (a model may go
+    on after it, e.g. " 86556. Remember it", which exact match of the whole answer would count wrong)."""
+    digits = re.search(r"\d+", answer)
+    return digits is not None and digits.group() == key
 
 
 def filler_stream(tokenizer: TextEncoder, *, task: str = "agnews", split: str = "test", seed: int = 0,
@@ -157,6 +165,6 @@ def kv_recall_prompts(tokenizer: TextEncoder, filler: np.ndarray, n_tokens: int,
     return out
 
 
-__all__ = ["filler_stream", "passkey_prompt", "passkey_prompts", "kv_recall_prompt", "kv_recall_prompts",
+__all__ = ["key_answered", "filler_stream", "passkey_prompt", "passkey_prompts", "kv_recall_prompt", "kv_recall_prompts",
            "PASSKEY_INSTRUCTION", "PASSKEY_LINE", "PASSKEY_QUESTION", "KV_INSTRUCTION", "KV_LINE", "KV_QUESTION",
            "KV_NAMES"]

@@ -83,3 +83,10 @@ def test_kv_recall_prompts_spread_the_lines_and_ask_one_of_them():
 def test_bad_arguments_are_named(call, match):
     with pytest.raises(LiniclError, match=match):
         call()
+
+
+@pytest.mark.parametrize("answer, right", [(" 86556", True), (" 86556. Remember it", True), ("86556", True),
+                                           (" 8655", False), (" 865561", False), (" the key is 86556", True),
+                                           (" 12345 86556", False), (" no digits", False), ("", False)])
+def test_a_key_is_answered_by_the_first_number(answer, right):
+    assert lc.key_answered(answer, "86556") == right
