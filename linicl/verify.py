@@ -67,6 +67,12 @@ def zoo() -> dict[str, ModelConfig]:
                                          window=16, sinks=4, rope_style="half", n_kv_heads=2),
         "elu-window8-sinks2-decay": dict(window=8, sinks=2, decay=0.97, positions="learned",
                                          form="recurrent"),
+        # LoLA's sparse cache beside the window (recurrent), and the window + sinks baseline with no
+        # linear part (StreamingLLM).
+        "hedgehog-window4-sinks2-cache8": dict(feature_map="hedgehog", positions="rope", rope_on="inputs",
+                                               window=4, sinks=2, cache=8),
+        "window8-sinks2-no-linear": dict(feature_map="none", positions="rope", rope_on="inputs", window=8,
+                                         sinks=2),
         # Data-dependent recurrences: a per-head gate (Mamba-2 style) with re-based rope and
         # grouped-query heads, GLA's per-feature gate with rope on the inputs (a per-feature decay
         # cannot be re-based), and Gated DeltaNet (delta rule + scalar gate, unnormalised) chunked.
