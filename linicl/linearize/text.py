@@ -8,6 +8,11 @@ trained on.
 
 ``sampled_sequences`` gives the other offline source: text sampled from the teacher itself
 (data-free distillation), continuing given start tokens.
+
+``retrieval_sequences`` gives long text with recall in it, for students that must remember beyond
+their window: passkey and key-value prompts (``linicl.data.long_context``) in filler from a text
+task's *training* split, each followed by its answer, so the teacher's attention retrieves a token
+from far back at the end of every sequence.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax
 import numpy as np
 
 from linicl.data import build_prompt, load_task, sample_demos, template_for
+from linicl.data import long_context as lc
 from linicl.errors import LiniclError
 from linicl.generation import generate
 
@@ -82,3 +88,32 @@ def sampled_sequences(teacher, variables, starts, length: int, *, seed: int = 0,
                        temperature=temperature)
         rows.append(np.concatenate([starts[i:i + batch_size], np.asarray(new, np.int32)], axis=1))
     return np.concatenate(rows)
+
+
+def retrieval_sequences(tokenizer, *, n: int, length: int, seed: int = 0, data_dir=None, task: str = "agnews",
+                        pairs: int = 4, add_bos: Optional[bool] = None) -> np.ndarray:
+    """``int32[n, length]``: long sequences that end in a recall, alternately a passkey prompt and a
+    key-value prompt with ``pairs`` lines (``linicl.data.long_context``), each followed by its answer
+    (" <key>\n"), in filler text from ``task``'s training split (never the test split the probes read);
+    depths, keys, names and filler windows seeded by ``seed``."""
+    if n < 1:
+        raise LiniclError(f"retrieval_sequences needs n >= 1, got {n!r}")
+    filler = lc.filler_stream(tokenizer, task=task, split="train", seed=seed, min_tokens=length, data_dir=data_dir)
+    rng = np.random.default_rng([seed, 29])
+    rows = []
+    for i in range(n):
+        key = str(rng.integers(10_000, 100_000))
+        answer = [int(t) for t in tokenizer.encode(f" {key}\n")]
+        start = int(rng.integers(len(filler)))
+        if i % 2 == 0:
+            prompt = lc.passkey_prompt(tokenizer, filler, length - len(answer), key, float(rng.uniform()),
+                                       start=start, add_bos=add_bos)
+        else:
+            names = rng.choice(len(lc.KV_NAMES), size=pairs, replace=False)
+            codes = [(lc.KV_NAMES[j], str(rng.integers(10_000, 100_000))) for j in names]
+            asked = int(rng.integers(pairs))
+            codes[asked] = (codes[asked][0], key)
+            prompt = lc.kv_recall_prompt(tokenizer, filler, length - len(answer), codes, asked, start=start,
+                                         add_bos=add_bos)
+        rows.append(np.concatenate([prompt.tokens, np.asarray(answer, np.int32)]))
+    return np.stack(rows).astype(np.int32)
