@@ -204,6 +204,10 @@ def test_shipped_smollm2_maps_load_and_convert_prompts_exactly():
     ref = model.apply(variables, jnp.concatenate([prompt, query], 1))[:, prompt.shape[1]:]
     assert rel_err(model.apply(converted, query), ref) <= 1e-4
     assert rel_err(model.apply(variables, query), ref) >= 1e-2
+    # The same maps with a sparse cache of 2 tokens (what smollm2(cache=2) builds): still exact.
+    cached = type(model)(model.cfg.replace(cache=2))
+    ref = cached.apply(variables, jnp.concatenate([prompt, query], 1))[:, prompt.shape[1]:]
+    assert rel_err(cached.apply(linicl.iclca.convert(cached, variables, prompt), query), ref) <= 1e-4
 
 
 @pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
