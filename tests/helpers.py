@@ -276,6 +276,17 @@ def perturb_learned_maps(variables, seed: int, scale: float = 0.5):
     return {**variables, "params": jax.tree_util.tree_map_with_path(perturb, variables["params"])}
 
 
+class CharTokenizer:
+    """A tokenizer for tests of text builders: characters are their code points, BOS is 1."""
+    bos_id = 1
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(int(i)) for i in ids)
+
+
 def load_module(path, name: str):
     """The Python file at ``path`` imported as a fresh module ``name`` (experiment scripts and test
     modules sit in folders that are not packages)."""

@@ -7,17 +7,10 @@ import pytest
 from linicl.data import long_context as lc
 from linicl.data.prompts import BOS, DEMO_INPUT, INSTRUCTION, QUERY
 from linicl.errors import LiniclError
+from helpers import CharTokenizer
 
 
-class Chars:
-    """Characters are their code points; BOS is 1."""
-    bos_id = 1
-
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids)
+Chars = CharTokenizer
 
 
 TOK = Chars()

@@ -7,16 +7,10 @@ import pytest
 from linicl import linearize
 from linicl.data import long_context as lc
 from linicl.errors import LiniclError
+from helpers import CharTokenizer
 
 
-class Chars:
-    bos_id = 1
-
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids)
+Chars = CharTokenizer
 
 
 @pytest.mark.usefixtures("data_env")
