@@ -11,6 +11,7 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -138,13 +139,16 @@ OFFSET_FAMILIES = {
 HYBRID_FAMILIES = {**OFFSET_FAMILIES, "window-sinks": {}}  # its positions are drawn
 
 
-def offset_family(cfg: linicl.ModelConfig) -> str:
-    """The stratum of ``OFFSET_FAMILIES`` / ``HYBRID_FAMILIES`` a config belongs to."""
-    if cfg.hybrid:
-        return "window-sinks"
+def position_family(cfg: linicl.ModelConfig) -> str:
+    """The stratum of ``OFFSET_FAMILIES`` of a config's positions, a window or sinks aside."""
     if cfg.positions == "rope":
         return "rope-inputs" if cfg.rope_on == "inputs" else "rope-features"
     return {"none": "position-free", "learned": "learned"}[cfg.positions]
+
+
+def offset_family(cfg: linicl.ModelConfig) -> str:
+    """The stratum of ``OFFSET_FAMILIES`` / ``HYBRID_FAMILIES`` a config belongs to."""
+    return "window-sinks" if cfg.hybrid else position_family(cfg)
 
 
 def per_stratum(fraction: float, strata: int) -> settings:
@@ -274,6 +278,26 @@ def perturb_learned_maps(variables, seed: int, scale: float = 0.5):
             return x + scale * jax.random.normal(sub, x.shape, x.dtype)
         return x
     return {**variables, "params": jax.tree_util.tree_map_with_path(perturb, variables["params"])}
+
+
+def prompted(model, variables, prompt, query):
+    """Logits at the query positions of the model reading [prompt; query] (a batch-1 prompt is
+    broadcast to the query's batch)."""
+    n = prompt.shape[1]
+    full = jnp.concatenate([jnp.broadcast_to(prompt, (query.shape[0], n)), query], axis=1)
+    return apply(model, variables, full)[:, n:]
+
+
+def assert_same_state(a, b):
+    """Two stored states leaf by leaf: positions equal, floats to the exact tolerance (an all-zero
+    leaf, e.g. S before any token left the window, must be zero on both sides)."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            np.testing.assert_array_equal(x, y)
+        elif not float(jnp.abs(y).max(initial=0.0)) > 0:
+            np.testing.assert_array_equal(x, 0.0)
+        else:
+            assert rel_err(x, y) <= EXACT_RTOL
 
 
 class CharTokenizer:

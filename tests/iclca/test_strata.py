@@ -22,6 +22,11 @@ PROPERTIES = [
     ("nn/test_finite_state.py", "test_converted_equals_prompted", HYBRID_FAMILIES),
     ("nn/test_finite_state.py", "test_converting_twice_equals_converting_the_concatenation", HYBRID_FAMILIES),
     ("nn/test_finite_state.py", "test_generation_after_conversion_equals_generation_after_the_prompt", HYBRID_FAMILIES),
+    # with a sparse cache (always a window or sinks): one stratum per kind of positions
+    ("nn/test_sparse_cache_model.py", "test_converted_equals_prompted", OFFSET_FAMILIES),
+    ("nn/test_sparse_cache_model.py", "test_converting_twice_equals_converting_the_concatenation", OFFSET_FAMILIES),
+    ("nn/test_sparse_cache_model.py", "test_generation_after_conversion_equals_generation_after_the_prompt",
+     OFFSET_FAMILIES),
 ]
 FAMILY_PROPERTIES = ["test_converted_equals_prompted", "test_converting_twice_equals_converting_the_concatenation",
                      "test_generation_after_conversion_equals_generation_after_the_prompt"]

@@ -17,31 +17,14 @@ from linicl.interventions import capture
 from linicl.kernels import feature_maps, hybrid_attention as hy
 from linicl.kernels.positions import apply_rope
 from linicl.names import PROMPT_STATE, block_site, layer_scope
-from helpers import (BASELINE_MIN, EXACT_RTOL, HYBRID_FAMILIES, apply, examples, finite_state_configs, init,
-                     offset_family, per_stratum, perturb_learned_maps, prompt_and_query, rel_err, tokens)
+from helpers import (BASELINE_MIN, EXACT_RTOL, HYBRID_FAMILIES, apply, assert_same_state, examples,
+                     finite_state_configs, init, offset_family, per_stratum, perturb_learned_maps, prompt_and_query,
+                     prompted, rel_err, tokens)
 
 
 def _model(cfg, seed):
     model, variables = init(cfg, seed)
     return model, perturb_learned_maps(variables, seed + 5)
-
-
-def _assert_same_state(a, b):
-    """Two states leaf by leaf: positions equal, floats to the exact tolerance (an all-zero leaf, e.g.
-    S before any token left the window, must be zero on both sides; an empty buffer is skipped)."""
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        if jnp.issubdtype(x.dtype, jnp.integer):
-            np.testing.assert_array_equal(x, y)
-        elif not float(jnp.abs(y).max(initial=0.0)) > 0:
-            np.testing.assert_array_equal(x, 0.0)
-        else:
-            assert rel_err(x, y) <= EXACT_RTOL
-
-
-def _prompted(model, variables, prompt, query):
-    n = prompt.shape[1]
-    full = jnp.concatenate([jnp.broadcast_to(prompt, (query.shape[0], n)), query], axis=1)
-    return apply(model, variables, full)[:, n:]
 
 
 # ------------------------------------------------------------------------- (a) the conversion
@@ -56,7 +39,7 @@ def test_converted_equals_prompted(family, data, n, m, batch, seed):
     assert offset_family(cfg) == family
     model, variables = _model(cfg, seed)
     prompt, query = prompt_and_query(seed + 1, 1, n, batch, m, cfg.vocab_size)
-    reference = _prompted(model, variables, prompt, query)
+    reference = prompted(model, variables, prompt, query)
     converted = iclca.convert(model, variables, prompt)
     assert rel_err(apply(model, converted, query), reference) <= EXACT_RTOL
     assert rel_err(apply(model, variables, query), reference) >= BASELINE_MIN
@@ -76,7 +59,7 @@ def test_converting_twice_equals_converting_the_concatenation(family, data, n1, 
     p2 = tokens(seed + 3, 1, n2, cfg.vocab_size)
     twice = iclca.convert(model, iclca.convert(model, variables, p1), p2)
     once = iclca.convert(model, variables, jnp.concatenate([p1, p2], axis=1))
-    _assert_same_state(twice[PROMPT_STATE], once[PROMPT_STATE])
+    assert_same_state(twice[PROMPT_STATE], once[PROMPT_STATE])
     assert rel_err(apply(model, twice, query), apply(model, once, query)) <= EXACT_RTOL
     only_p2 = iclca.convert(model, variables, p2)
     assert rel_err(apply(model, only_p2, query), apply(model, once, query)) >= BASELINE_MIN
@@ -150,7 +133,7 @@ def test_kernel_forms_agree(window, sinks, decay, n0, seed):
     for form in ("chunked", "recurrent"):
         o, s = forms[form](x, pos, state, gate, log_gamma)
         assert rel_err(o, o_par) <= EXACT_RTOL
-        _assert_same_state(s, s_par)
+        assert_same_state(s, s_par)
     # Two calls (3 + 4 tokens) from the same state equal one call.
     o1, s1 = forms["parallel"]([a[:, :, :3] for a in x], pos[:3], state, gate, log_gamma)
     o2, _ = forms["parallel"]([a[:, :, 3:] for a in x], pos[3:], s1, gate, log_gamma)

@@ -14,17 +14,21 @@ from linicl import iclca, linearize as LZ, memory
 from linicl.errors import ConfigError, LiniclError
 from linicl.kernels import HybridState, SparseState
 from linicl.names import PROMPT_STATE
-from helpers import BASELINE_MIN, EXACT_RTOL, apply, examples, init, perturb_learned_maps, prompt_and_query, rel_err, tokens
+from helpers import (BASELINE_MIN, EXACT_RTOL, OFFSET_FAMILIES, apply, assert_same_state, examples, init,
+                     per_stratum, position_family, perturb_learned_maps, prompt_and_query, prompted, rel_err, tokens)
 
 
 @st.composite
-def cache_configs(draw, **fixed) -> linicl.ModelConfig:
+def cache_configs(draw, family: str = None, **fixed) -> linicl.ModelConfig:
     """Float64 hybrid configs with a cache: hedgehog maps (m = d_head or not), window in {1, 3}, sinks
     in {0, 1, 4}, cache in {1, 2, 5}, positions none / learned / rope (on the features or the
-    inputs), decay (one or per head) or none, grouped-query heads, trainable biases."""
+    inputs; ``family``: one of ``helpers.OFFSET_FAMILIES``, else drawn), decay (one or per head) or
+    none, grouped-query heads, trainable biases."""
     n_heads = draw(st.sampled_from([1, 2]))
     head_dim = draw(st.sampled_from([2, 4])) if n_heads == 2 else 4  # d_model >= 4: see helpers
-    positions = draw(st.sampled_from(["none", "learned", "rope"]))
+    if family is not None:
+        fixed = {**OFFSET_FAMILIES[family], **fixed}
+    positions = fixed.get("positions") or draw(st.sampled_from(["none", "learned", "rope"]))
     values = dict(
         vocab_size=draw(st.integers(6, 40)), d_model=n_heads * head_dim, n_layers=draw(st.integers(1, 2)),
         n_heads=n_heads, n_kv_heads=draw(st.sampled_from([h for h in (1, 2) if n_heads % h == 0])), d_ff=8,
@@ -46,39 +50,24 @@ def _model(cfg, seed):
     return model, perturb_learned_maps(variables, seed + 5)
 
 
-def _prompted(model, variables, prompt, query):
-    n = prompt.shape[1]
-    full = jnp.concatenate([jnp.broadcast_to(prompt, (query.shape[0], n)), query], axis=1)
-    return apply(model, variables, full)[:, n:]
-
-
-def _assert_same_state(a, b):
-    """Two stored states leaf by leaf: positions equal, floats to the exact tolerance (an all-zero
-    leaf, e.g. S before any token became linear, zero on both sides)."""
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        if jnp.issubdtype(x.dtype, jnp.integer):
-            np.testing.assert_array_equal(x, y)
-        elif not float(jnp.abs(y).max(initial=0.0)) > 0:
-            np.testing.assert_array_equal(x, 0.0)
-        else:
-            assert rel_err(x, y) <= EXACT_RTOL
-
-
 def _cached(cfg, n: int) -> int:
     """Tokens in the cache after n tokens: every non-sink token that left the window, up to cache."""
     return min(cfg.cache, max(0, n - (cfg.window - 1) - cfg.sinks))
 
 
 # ---------------------------------------------------------------------------- (1) conversion
-@examples(0.6)
-@given(cfg=cache_configs(), n=st.integers(1, 14), m=st.integers(1, 5), rows=st.sampled_from([(1, 1), (1, 2), (2, 2)]),
+@pytest.mark.parametrize("family", OFFSET_FAMILIES)
+@per_stratum(0.6, len(OFFSET_FAMILIES))
+@given(data=st.data(), n=st.integers(1, 14), m=st.integers(1, 5), rows=st.sampled_from([(1, 1), (1, 2), (2, 2)]),
        seed=st.integers(0, 2**16))
-def test_converted_equals_prompted(cfg, n, m, rows, seed):
+def test_converted_equals_prompted(family, data, n, m, rows, seed):
     """The query alone, from the converted state (a batch-1 prompt serves any batch; a batch-2 prompt
     has a cache per row), equals the prompted model at the query."""
+    cfg = data.draw(cache_configs(family=family), label="cfg")
+    assert position_family(cfg) == family  # every config here has a window or sinks
     model, variables = _model(cfg, seed)
     prompt, query = prompt_and_query(seed + 1, rows[0], n, rows[1], m, cfg.vocab_size)
-    reference = _prompted(model, variables, prompt, query)
+    reference = prompted(model, variables, prompt, query)
     converted = iclca.convert(model, variables, prompt)
     assert rel_err(apply(model, converted, query), reference) <= EXACT_RTOL
     assert rel_err(apply(model, variables, query), reference) >= BASELINE_MIN
@@ -89,25 +78,31 @@ def test_converted_equals_prompted(cfg, n, m, rows, seed):
 
 
 # ------------------------------------------------------------------- (2) repeated conversion
-@examples(0.4)
-@given(cfg=cache_configs(), n1=st.integers(1, 9), n2=st.integers(1, 9), seed=st.integers(0, 2**16))
-def test_converting_twice_equals_converting_the_concatenation(cfg, n1, n2, seed):
+@pytest.mark.parametrize("family", OFFSET_FAMILIES)
+@per_stratum(0.4, len(OFFSET_FAMILIES))
+@given(data=st.data(), n1=st.integers(1, 9), n2=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_converting_twice_equals_converting_the_concatenation(family, data, n1, n2, seed):
+    cfg = data.draw(cache_configs(family=family), label="cfg")
+    assert position_family(cfg) == family  # every config here has a window or sinks
     model, variables = _model(cfg, seed)
     p1, query = prompt_and_query(seed + 1, 1, n1, 2, 3, cfg.vocab_size)
     p2 = tokens(seed + 3, 1, n2, cfg.vocab_size)
     twice = iclca.convert(model, iclca.convert(model, variables, p1), p2)
     once = iclca.convert(model, variables, jnp.concatenate([p1, p2], axis=1))
-    _assert_same_state(twice[PROMPT_STATE], once[PROMPT_STATE])
+    assert_same_state(twice[PROMPT_STATE], once[PROMPT_STATE])
     assert rel_err(apply(model, twice, query), apply(model, once, query)) <= EXACT_RTOL
     only_p2 = iclca.convert(model, variables, p2)
     assert rel_err(apply(model, only_p2, query), apply(model, once, query)) >= BASELINE_MIN
 
 
 # ----------------------------------------------------------------------------- (3) generation
-@examples(0.3)
-@given(cfg=cache_configs(), n=st.integers(1, 10), m=st.integers(1, 4), n_new=st.integers(1, 6),
+@pytest.mark.parametrize("family", OFFSET_FAMILIES)
+@per_stratum(0.3, len(OFFSET_FAMILIES))
+@given(data=st.data(), n=st.integers(1, 10), m=st.integers(1, 4), n_new=st.integers(1, 6),
        seed=st.integers(0, 2**16))
-def test_generation_after_conversion_equals_generation_after_the_prompt(cfg, n, m, n_new, seed):
+def test_generation_after_conversion_equals_generation_after_the_prompt(family, data, n, m, n_new, seed):
+    cfg = data.draw(cache_configs(family=family), label="cfg")
+    assert position_family(cfg) == family  # every config here has a window or sinks
     model, variables = _model(cfg, seed)
     prompt, query = prompt_and_query(seed + 1, 1, n, 2, m, cfg.vocab_size)
     converted = iclca.convert(model, variables, prompt)
