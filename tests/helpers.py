@@ -300,6 +300,22 @@ def assert_same_state(a, b):
             assert rel_err(x, y) <= EXACT_RTOL
 
 
+def check_converting_twice(model, variables, n1: int, n2: int, seed: int, query_len: int = 4) -> None:
+    """Converting [p1] then [p2] stores the state of converting [p1; p2] (positions equal, floats to
+    EXACT_RTOL) and answers the same query; power: converting p2 alone is far off."""
+    from linicl import iclca
+    from linicl.names import PROMPT_STATE
+    vocab = model.cfg.vocab_size
+    p1, query = prompt_and_query(seed + 1, 1, n1, 2, query_len, vocab)
+    p2 = tokens(seed + 3, 1, n2, vocab)
+    twice = iclca.convert(model, iclca.convert(model, variables, p1), p2)
+    once = iclca.convert(model, variables, jnp.concatenate([p1, p2], axis=1))
+    assert_same_state(twice[PROMPT_STATE], once[PROMPT_STATE])
+    assert rel_err(apply(model, twice, query), apply(model, once, query)) <= EXACT_RTOL
+    only_p2 = iclca.convert(model, variables, p2)
+    assert rel_err(apply(model, only_p2, query), apply(model, once, query)) >= BASELINE_MIN
+
+
 class CharTokenizer:
     """A tokenizer for tests of text builders: characters are their code points, BOS is 1."""
     bos_id = 1

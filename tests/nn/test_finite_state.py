@@ -17,9 +17,9 @@ from linicl.interventions import capture
 from linicl.kernels import feature_maps, hybrid_attention as hy
 from linicl.kernels.positions import apply_rope
 from linicl.names import PROMPT_STATE, block_site, layer_scope
-from helpers import (BASELINE_MIN, EXACT_RTOL, HYBRID_FAMILIES, apply, assert_same_state, examples,
-                     finite_state_configs, init, offset_family, per_stratum, perturb_learned_maps, prompt_and_query,
-                     prompted, rel_err, tokens)
+from helpers import (BASELINE_MIN, EXACT_RTOL, HYBRID_FAMILIES, apply, assert_same_state, check_converting_twice,
+                     examples, finite_state_configs, init, offset_family, per_stratum, perturb_learned_maps,
+                     prompt_and_query, prompted, rel_err, tokens)
 
 
 def _model(cfg, seed):
@@ -55,14 +55,7 @@ def test_converting_twice_equals_converting_the_concatenation(family, data, n1, 
     cfg = data.draw(finite_state_configs(family=family), label="cfg")
     assert offset_family(cfg) == family
     model, variables = _model(cfg, seed)
-    p1, query = prompt_and_query(seed + 1, 1, n1, 2, 4, cfg.vocab_size)
-    p2 = tokens(seed + 3, 1, n2, cfg.vocab_size)
-    twice = iclca.convert(model, iclca.convert(model, variables, p1), p2)
-    once = iclca.convert(model, variables, jnp.concatenate([p1, p2], axis=1))
-    assert_same_state(twice[PROMPT_STATE], once[PROMPT_STATE])
-    assert rel_err(apply(model, twice, query), apply(model, once, query)) <= EXACT_RTOL
-    only_p2 = iclca.convert(model, variables, p2)
-    assert rel_err(apply(model, only_p2, query), apply(model, once, query)) >= BASELINE_MIN
+    check_converting_twice(model, variables, n1, n2, seed, query_len=4)
 
 
 # ----------------------------------------------------------------------------- (c) generation

@@ -14,8 +14,9 @@ from linicl import iclca, linearize as LZ, memory
 from linicl.errors import ConfigError, LiniclError
 from linicl.kernels import HybridState, SparseState
 from linicl.names import PROMPT_STATE
-from helpers import (BASELINE_MIN, EXACT_RTOL, OFFSET_FAMILIES, apply, assert_same_state, examples, init,
-                     per_stratum, position_family, perturb_learned_maps, prompt_and_query, prompted, rel_err, tokens)
+from helpers import (BASELINE_MIN, EXACT_RTOL, OFFSET_FAMILIES, apply, check_converting_twice, examples, init,
+                     per_stratum, perturb_learned_maps, position_family, prompt_and_query, prompted, rel_err,
+                     tokens)
 
 
 @st.composite
@@ -85,14 +86,7 @@ def test_converting_twice_equals_converting_the_concatenation(family, data, n1, 
     cfg = data.draw(cache_configs(family=family), label="cfg")
     assert position_family(cfg) == family  # every config here has a window or sinks
     model, variables = _model(cfg, seed)
-    p1, query = prompt_and_query(seed + 1, 1, n1, 2, 3, cfg.vocab_size)
-    p2 = tokens(seed + 3, 1, n2, cfg.vocab_size)
-    twice = iclca.convert(model, iclca.convert(model, variables, p1), p2)
-    once = iclca.convert(model, variables, jnp.concatenate([p1, p2], axis=1))
-    assert_same_state(twice[PROMPT_STATE], once[PROMPT_STATE])
-    assert rel_err(apply(model, twice, query), apply(model, once, query)) <= EXACT_RTOL
-    only_p2 = iclca.convert(model, variables, p2)
-    assert rel_err(apply(model, only_p2, query), apply(model, once, query)) >= BASELINE_MIN
+    check_converting_twice(model, variables, n1, n2, seed, query_len=3)
 
 
 # ----------------------------------------------------------------------------- (3) generation
