@@ -52,7 +52,7 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 # Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
-                    "shots", "shot_tasks")
+                    "shots", "shot_tasks", "finished_only")
 EQUAL = "equal"  # --windows: the window whose KV cache matches the student's state
 
 
@@ -83,6 +83,9 @@ def parse_args(argv=None):
                    help="convert the first N prompts of each cell and check converted = prompted (default: every "
                         "prompt; 0: none)")
     p.add_argument("--resume", action="store_true", help="reuse the cells OUT/progress.json holds")
+    p.add_argument("--finished-only", action="store_true",
+                   help="with --resume: report the finished cells and compute none (a partial run's tables; "
+                        "missing cells show as '-')")
     args = p.parse_args(argv)
     if args.quick:
         args.model = args.model or FIXTURE
@@ -210,7 +213,7 @@ def loss_rows(tok, filler, args) -> np.ndarray:
 def tables(report: dict) -> str:
     methods = report["methods"]
     lines = [f"Long prompts ({os.path.basename(str(report['model']))}); accuracy % [95 % Wilson], n per cell "
-             "(exact match of the greedy answer).", ""]
+             "(passkey and codes: the greedy answer's first number is the key; word tasks: exact match).", ""]
     cells = report["cells"]
     header = ["probe", "tokens"] + methods
     rows = []
@@ -223,7 +226,7 @@ def tables(report: dict) -> str:
     lines.append(reporting.markdown_table(header, rows))
     sizes = report.get("state_floats", {})
     if sizes:
-        lines += ["", "State floats per prompt row at the longest prompt (students: as stored; windows: the KV of "
+        lines += ["", "State floats per prompt row at the longest prompt evaluated (students: as stored; windows: the KV of "
                       "their sinks and window; softmax: its KV cache): "
                   + ", ".join(f"{m} {sizes[m]:,}" for m in methods if m in sizes)]
     conv = [(key, m, r["converted"]) for key, c in cells.items() for m, r in c["methods"].items() if "converted" in r]
@@ -283,6 +286,9 @@ def main(argv=None) -> int:
         cells[key] = dict(probe=probe.split(" ")[0] if L else probe, tokens=int(max(map(len, prompts))), methods={})
         for name, (model, variables, finite) in ms.items():
             done = prog.get(f"{key} | {name}")
+            if done is None and args.finished_only:
+                bar.update()
+                continue
             if done is None:
                 done = prog.put(f"{key} | {name}", cell(name, model, variables, finite, prompts, tok, args,
                                                          max_new or 8, keyed=L is not None))
@@ -291,10 +297,11 @@ def main(argv=None) -> int:
     bar.close()
     report = dict(settings=vars(args), model=args.model or "SmolLM2-135M-Instruct", methods=list(ms), cells=cells,
                   machine=reporting.machine_info(), resumed=prog.resumed)
-    report["state_floats"] = {m: r["state_floats"] for c in cells.values() for m, r in c["methods"].items()
-                              if c["tokens"] == max(x["tokens"] for x in cells.values())}
+    # each method's state at the longest prompt it was evaluated on (later cells override earlier ones)
+    report["state_floats"] = {m: r["state_floats"] for c in sorted(cells.values(), key=lambda c: c["tokens"])
+                              for m, r in c["methods"].items()}
     report["vs_equal_window"] = versus(cells, ms)
-    if "loss" in args.probes:
+    if "loss" in args.probes and not args.finished_only:
         rows = loss_rows(tok, filler, args)
         report["loss"] = {}
         for name, (model, variables, _) in ms.items():
