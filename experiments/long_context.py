@@ -45,7 +45,7 @@ from linicl import data, iclca, linearize, reporting, stats
 from linicl.compiled import enable_persistent_cache
 from linicl.data import long_context as lc
 from linicl.evaluate import evaluate_prompts, greedy_answers
-from linicl.memory import kv_cache_floats, prompt_floats
+from linicl.memory import kv_cache_floats
 from linicl.metrics import rel_err
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf", "llama-tiny.gguf")
@@ -109,16 +109,11 @@ def load_models(args):
     return teacher, tv, loaded.tokenizer, student, sv
 
 
-def state_floats(model, variables, tokens) -> int:
-    """Floats a converted model holds for the prompt ``tokens`` (one row)."""
-    return prompt_floats(iclca.convert(model, variables, jnp.asarray(tokens)[None]), projections=False)
-
-
-def equal_window(student, sv, teacher, probe_tokens) -> int:
+def equal_window(student, teacher) -> int:
     """The window W whose KV cache (its W - 1 earlier tokens and the student's sinks, a key and a value
     per kv head and layer) holds as many floats as the student's state as stored."""
     per_token = kv_cache_floats(teacher.cfg, 1)
-    return max(1, state_floats(student, sv, probe_tokens) // per_token - student.cfg.sinks + 1)
+    return max(1, iclca.state_floats(student.cfg) // per_token - student.cfg.sinks + 1)
 
 
 def window_floats(model) -> int:
@@ -127,14 +122,14 @@ def window_floats(model) -> int:
     return kv_cache_floats(model.cfg, model.cfg.window - 1 + model.cfg.sinks)
 
 
-def methods(teacher, tv, student, sv, args, probe_tokens) -> dict:
+def methods(teacher, tv, student, sv, args) -> dict:
     """``{name: (model, variables, finite)}`` in table order."""
     out = {"softmax": (teacher, tv, False), "student": (student, sv, True)}
     for c in args.caches:
         if c:
             out[f"student+cache{c}"] = (linicl.Transformer(student.cfg.replace(cache=c)), sv, True)
     for w in args.windows:
-        w = student.cfg.window if w == "student" else (equal_window(student, sv, teacher, probe_tokens)
+        w = student.cfg.window if w == "student" else (equal_window(student, teacher)
                                                        if w == EQUAL else int(w))
         cfg = linearize.window_config(teacher.cfg, window=w, sinks=student.cfg.sinks)
         model = linicl.Transformer(cfg)
@@ -187,7 +182,7 @@ def cell(name, model, variables, finite, prompts, tok, args, max_new: int, keyed
                eval_s=time.perf_counter() - t0, tokens=int(len(prompts[0])))
     if finite:
         row["state_floats"] = (window_floats(model) if model.cfg.feature_map == "none"
-                               else state_floats(model, variables, prompts[0].tokens))
+                               else iclca.state_floats(model.cfg))
         checked = len(prompts) if args.convert_check is None else min(args.convert_check, len(prompts))
         if checked:
             row["converted"] = converted_check(model, variables, prompts[:checked], res.predictions[:checked],
@@ -270,7 +265,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     teacher, tv, tok, student, sv = load_models(args)
     filler = lc.filler_stream(tok, seed=args.seed, min_tokens=max(args.lengths) + 1, data_dir=args.data_dir)
-    ms = methods(teacher, tv, student, sv, args, filler[:max(args.lengths)])
+    ms = methods(teacher, tv, student, sv, args)
     prog = reporting.Progress(os.path.join(args.out, "progress.json"),
                               reporting.fingerprint(vars(args), ignore=PROGRESS_IGNORES), args.resume)
     todo = [(probe, L) for probe in ("passkey", "kv") if probe in args.probes for L in args.lengths]
