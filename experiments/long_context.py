@@ -15,9 +15,14 @@ Methods (``--methods``), each with the floats its state holds for one prompt row
 * ``softmax``: the teacher, full KV cache (grows with the prompt);
 * ``student``: the linearized teacher (shipped maps: hedgehog + window + sinks; ``--maps``);
 * ``student+cache<C>``: the same maps with LoLA's sparse cache of C exact tokens (no training);
+  ``student+attcache<C>``: the cache chosen by the attention each token got in the window
+  (``--cache-rules attention``; ``ModelConfig.cache_rule``);
 * ``window<W>``: sliding-window softmax with the student's sinks and no linear part, no training
   (``linearize.window_config``), at the student's window and at the window whose KV cache holds as
-  many floats as the student's state (``equal``).
+  many floats as the student's state (``equal``);
+* ``window<W>+attcache<C>`` (``--window-caches C``): a window plus a per-head cache of C tokens that
+  left it, chosen by the attention they got while in it, W such that the whole state holds no more
+  floats than the student's (no linear part, no training).
 
 For every finite-state method the evaluated prompts are also converted (``iclca.convert`` of all but
 the question), and the question read alone must give the prompted model's answers (checked on every
@@ -52,7 +57,8 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 # Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
-                    "shots", "shot_tasks", "finished_only")
+                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches")
+RULE_NAMES = {"recall": "cache", "attention": "attcache"}  # method-name part of each cache rule
 EQUAL = "equal"  # --windows: the window whose KV cache matches the student's state
 
 
@@ -73,6 +79,10 @@ def parse_args(argv=None):
     p.add_argument("--shot-tasks", nargs="+", default=["country-capital", "present-past"])
     p.add_argument("--caches", nargs="+", type=reporting.nonnegative_int, default=[64],
                    help="sparse-cache sizes of the student+cache methods (0: none)")
+    p.add_argument("--cache-rules", nargs="+", choices=list(RULE_NAMES), default=["recall"],
+                   help="the rules of the student+cache methods (ModelConfig.cache_rule)")
+    p.add_argument("--window-caches", nargs="+", type=reporting.positive_int, default=[],
+                   help="window + attention-chosen cache baselines at the student's state size: cache sizes")
     p.add_argument("--windows", nargs="+", default=["student", EQUAL],
                    help="window-only baselines: 'student' (its window), 'equal' (its state size) or a number")
     p.add_argument("--methods", nargs="+", default=None,
@@ -90,7 +100,7 @@ def parse_args(argv=None):
     if args.quick:
         args.model = args.model or FIXTURE
         args.lengths, args.n, args.pairs, args.shots, args.loss_seqs = [288], 2, 2, [2], 1
-        args.shot_tasks, args.caches = ["antonym"], [4]
+        args.shot_tasks, args.caches, args.cache_rules, args.window_caches = ["antonym"], [4], list(RULE_NAMES), [2]
         args.convert_check = 1 if args.convert_check is None else args.convert_check
     return args
 
@@ -117,23 +127,50 @@ def equal_window(student, teacher) -> int:
 
 
 def window_floats(model) -> int:
-    """What a window baseline must keep of a prompt: the KV of its sinks and last ``window - 1`` tokens
-    (its buffers also hold key features, which a window without a linear part never reads)."""
-    return kv_cache_floats(model.cfg, model.cfg.window - 1 + model.cfg.sinks)
+    """What a window baseline must keep of a prompt: the KV of its sinks and last ``window - 1`` tokens,
+    per kv head (its buffers are per query head, which a grouped-query window need not be); with a
+    cache, per query head (each chooses its own tokens) each cached key, value and score, and the
+    window's scores."""
+    cfg = model.cfg
+    per_head = cfg.cache * (2 * cfg.head_dim + 1) + max(cfg.window - 1, 0) if cfg.cache else 0
+    return kv_cache_floats(cfg, cfg.window - 1 + cfg.sinks) + cfg.n_layers * cfg.n_heads * per_head
+
+
+def equal_cached_window(student, teacher, cache: int) -> int:
+    """The largest window W whose window + attention-chosen cache of ``cache`` tokens (``window_floats``)
+    holds no more floats than the student's state; None if even W = 1 does not fit."""
+    budget = iclca.state_floats(student.cfg)
+    fits = lambda w: window_floats(linicl.Transformer(linearize.window_config(  # noqa: E731
+        teacher.cfg, window=w, sinks=student.cfg.sinks, cache=cache))) <= budget
+    if not fits(1):
+        return None
+    lo, hi = 1, equal_window(student, teacher)  # a cache only costs floats: W is at most the plain one
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def methods(teacher, tv, student, sv, args) -> dict:
     """``{name: (model, variables, finite)}`` in table order."""
     out = {"softmax": (teacher, tv, False), "student": (student, sv, True)}
     for c in args.caches:
-        if c:
-            out[f"student+cache{c}"] = (linicl.Transformer(student.cfg.replace(cache=c)), sv, True)
+        for rule in args.cache_rules if c else ():
+            out[f"student+{RULE_NAMES[rule]}{c}"] = (
+                linicl.Transformer(student.cfg.replace(cache=c, cache_rule=rule)), sv, True)
     for w in args.windows:
         w = student.cfg.window if w == "student" else (equal_window(student, teacher)
                                                        if w == EQUAL else int(w))
         cfg = linearize.window_config(teacher.cfg, window=w, sinks=student.cfg.sinks)
         model = linicl.Transformer(cfg)
         out[f"window{w}"] = (model, linearize.student_variables(model, tv), True)
+    for c in args.window_caches:
+        w = equal_cached_window(student, teacher, c)
+        if w is None:
+            raise SystemExit(f"long_context: --window-caches {c}: a cache of {c} tokens alone holds more "
+                             f"floats than the student's state")
+        model = linicl.Transformer(linearize.window_config(teacher.cfg, window=w, sinks=student.cfg.sinks, cache=c))
+        out[f"window{w}+attcache{c}"] = (model, linearize.student_variables(model, tv), True)
     if args.methods:
         unknown = sorted(set(args.methods) - set(out))
         if unknown:
@@ -296,11 +333,15 @@ def main(argv=None) -> int:
     report["state_floats"] = {m: r["state_floats"] for c in sorted(cells.values(), key=lambda c: c["tokens"])
                               for m, r in c["methods"].items()}
     report["vs_equal_window"] = versus(cells, ms)
-    if "loss" in args.probes and not args.finished_only:
+    if "loss" in args.probes:
         rows = loss_rows(tok, filler, args)
         report["loss"] = {}
         for name, (model, variables, _) in ms.items():
-            got = prog.get(f"loss | {name}") or prog.put(f"loss | {name}", linearize.next_token_loss(
+            key = f"loss {rows.shape[1]} | {name}"  # the rows' length: a longer run is another cell
+            got = prog.get(key)
+            if got is None and args.finished_only:
+                continue
+            got = got or prog.put(key, linearize.next_token_loss(
                 model, variables, rows, batch_size=1, buckets=(0, 64, 256, 512, 1024, 2048, 4096)))
             report["loss"][name] = {k: v for k, v in got.items() if k != "per_position"}
     report["wall_s"] = time.perf_counter() - t0
@@ -310,7 +351,7 @@ def main(argv=None) -> int:
 
 def versus(cells: dict, ms: dict) -> dict:
     """Each method minus the equal-state window (largest window baseline), paired over the same prompts."""
-    windows = [m for m in ms if m.startswith("window")]
+    windows = [m for m in ms if m.startswith("window") and m[len("window"):].isdigit()]
     if not windows:
         return {}
     ref = max(windows, key=lambda m: int(m[len("window"):]))

@@ -20,7 +20,7 @@ import numpy as np
 from linicl._validate import is_concrete
 from linicl.errors import ConfigError
 from linicl.kernels.feature_maps import feature_dim
-from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, CACHE_FORMS,  # noqa: F401
+from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, CACHE_FORMS, CACHE_RULES,  # noqa: F401
                           DTYPES, FEATURE_MAPS, FORMS, GATES, MLPS, NO_LINEAR_PART, NONNEGATIVE_MAPS,
                           NORM_TYPES, NORMS, POSITIONS, ROPE_ON, ROPE_STYLES, SKIPS, UPDATES)
 
@@ -149,6 +149,10 @@ class ModelConfig:
         so the state stays finite and the conversion exact. Needs a window or sinks (hence
         attention="linear" and normalize=True) and form "auto" or "recurrent" (the selection is
         sequential: "auto" runs the recurrent form). 0: no cache (the hybrid).
+      cache_rule: how the cache scores tokens (``CACHE_RULES``): ``"recall"`` (LoLA, above) or
+        ``"attention"``: the attention weight a token received from the ``window`` queries it was
+        exact for (stored with it, so the state grows by window - 1 + cache floats per head); the
+        lowest leaves. ``"attention"`` needs window >= 1; either needs ``cache >= 1``.
       norm: ``"pre"`` (with a final norm), ``"post"`` or ``"none"`` (no norm in the blocks).
       norm_type: ``"layernorm"`` (GPT-2: scale and bias) or ``"rmsnorm"`` (Llama: scale only).
       skip: how a block without norms adds its parts (``norm="none"`` only; the implicit-update
@@ -215,6 +219,7 @@ class ModelConfig:
     gate: str = "none"
     update: str = "add"
     cache: int = 0
+    cache_rule: str = "recall"
 
     def __post_init__(self):
         self._check_fields()
@@ -319,8 +324,16 @@ class ModelConfig:
 
     def _check_cache(self) -> None:
         """The sparse cache extends the hybrid: it needs one, and the recurrent form."""
+        if self.cache_rule not in CACHE_RULES:
+            raise ConfigError(f"ModelConfig.cache_rule must be one of {CACHE_RULES}, got {self.cache_rule!r}")
         if not self.cache:
+            if self.cache_rule != "recall":  # a rule with nothing to rule: say so, do not ignore it
+                raise ConfigError(f"ModelConfig.cache_rule={self.cache_rule!r} chooses what a sparse cache "
+                                  f"keeps, but cache=0; set cache >= 1")
             return
+        if self.cache_rule == "attention" and self.window < 1:
+            raise ConfigError("ModelConfig.cache_rule='attention' scores a token by the attention it gets "
+                              f"while in the window; it needs window >= 1, got window={self.window}")
         if not self.hybrid:
             raise ConfigError(f"ModelConfig.cache={self.cache} keeps exact tokens beside a hybrid layer's "
                               f"window or sinks; it needs attention='linear' with window >= 1 or sinks >= 1 "
@@ -468,7 +481,8 @@ class ModelConfig:
                       "norm" if self.normalize else "unnorm"]
             if self.window or self.sinks:
                 parts.append(f"window={self.window}/sinks={self.sinks}"
-                             + (f"/cache={self.cache}" if self.cache else ""))
+                             + (f"/cache={self.cache}" if self.cache else "")
+                             + (f"/{self.cache_rule}" if self.cache_rule != "recall" else ""))
             if self.decay is not None:
                 parts.append("decay=" + (f"{self.decay}" if not isinstance(self.decay, tuple)
                                          else "per-head"))

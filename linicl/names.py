@@ -65,6 +65,10 @@ FORMS = ("auto", "parallel", "chunked", "recurrent")
 # The forms of the sparse-cache layer (linicl.kernels.sparse_cache): its selection is sequential, so it
 # has the recurrent form only ("auto" runs it).
 CACHE_FORMS = ("auto", "recurrent")
+# How the sparse cache scores its tokens (the lowest score leaves for the linear state): "recall"
+# (LoLA: how badly the linear state recalls the token's value from its key) or "attention" (the
+# attention the token received from the queries of the window it passed through).
+CACHE_RULES = ("recall", "attention")
 # Linear attention's data-dependent decay alpha_t = sigmoid(x_t W + b) in (0, 1] (linicl.kernels.
 # gated_attention): none; one per head and token (Mamba-2, Gated DeltaNet); one per head, token and
 # key feature (GLA).

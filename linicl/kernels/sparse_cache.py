@@ -14,20 +14,28 @@ non-sink tokens that have left the window, chosen token by token with no paramet
 
 * A non-sink token i leaving the window (where the hybrid would add it to (S, z): after the output of
   step t for ``window >= 1``, before it for ``window = 0``, where the current token leaves at once) is
-  a candidate. With (S_t, z_t) the linear state at step t before anything is added (decayed to t),
-  every candidate and cached token j gets LoLA's self-recall error
+  a candidate. Every candidate and cached token j has a score, by one of two rules (``CACHE_RULES``):
 
-      pred_j = f_j S_t / (f~_j . z_t + eps),    score_j = |v_j - pred_j|^2
+  - ``"recall"`` (LoLA): with (S_t, z_t) the linear state at step t before anything is added
+    (decayed to t), the self-recall error
 
-  (eps the model's own normaliser epsilon; an empty state, f~_j . z_t + eps = 0, recalls nothing:
-  pred_j = 0). A token the state recalls well loses least by being linear.
+        pred_j = f_j S_t / (f~_j . z_t + eps),    score_j = |v_j - pred_j|^2
+
+    (eps the model's own normaliser epsilon; an empty state, f~_j . z_t + eps = 0, recalls nothing:
+    pred_j = 0). A token the state recalls well loses least by being linear.
+  - ``"attention"`` (the attention a token received while in the window, as H2O / TOVA score tokens
+    but over a fixed span): score_j = sum_{t=j}^{j+window-1} a_{t,j}, with a_{t,j} the weight of the
+    exact key j in y_t (its term of the denominator divided by the whole denominator + eps). Every
+    token gets the same ``window`` queries, so old and new tokens compare fairly; the score is final
+    when j leaves the window and is stored with it. Needs ``window >= 1``.
 * If the cache has an empty slot, the candidate takes the first one (lowest slot index). Otherwise,
   of the ``cache`` cached tokens and the candidate, the one with the lowest score enters (S, z),
   weighted gamma^(t - j) like any token in S_t; a tie goes to the older (lower) position. If that
   token is a cached one, the candidate takes its slot. The rule is sequential, hence one form only.
 
-The state (``SparseState``): the fields of ``HybridState`` and the cache's rotated keys, features,
-values and positions. Unlike the window's positions, which every row and head share, the cache's
+The state (``SparseState``): the fields of ``HybridState``, the cache's rotated keys, features,
+values and positions, and (rule ``"attention"``; empty arrays for ``"recall"``) the scores of the
+window's and the cache's tokens. Unlike the window's positions, which every row and head share, the cache's
 differ per row and head (the selection depends on the values): ``cache_pos: int32[batch, heads, C]``,
 -1 for an empty slot. With ``cache = 0`` every candidate enters (S, z): the hybrid, to rounding.
 
@@ -45,7 +53,7 @@ import jax.numpy as jnp
 
 from linicl.errors import LiniclError
 from linicl.kernels import hybrid_attention as hy
-from linicl.names import CACHE_FORMS
+from linicl.names import CACHE_FORMS, CACHE_RULES
 
 # Position fields shared by every batch row and head (``int32[slots]``); every other field of a
 # ``HybridState`` or ``SparseState`` has a leading batch axis (cache_pos included).
@@ -70,22 +78,30 @@ class SparseState(NamedTuple):
     cache_fkd: jax.Array  # f[batch, heads, C, F]: their denominator features
     cache_v: jax.Array    # f[batch, heads, C, d_v]
     cache_pos: jax.Array  # int32[batch, heads, C]: their positions, -1 for an empty slot (any order)
+    win_score: jax.Array  # f[batch, heads, W' or 0]: attention received so far (rule "attention")
+    cache_score: jax.Array  # f[batch, heads, C or 0]: the cached tokens' final scores (rule "attention")
 
     def hybrid(self) -> hy.HybridState:
         """The fields the hybrid keeps (the state without its cache)."""
         return hy.HybridState(*self[:_N_HYBRID])
 
+    def cached(self) -> tuple:
+        """The cache as ``_select`` takes it: (k, fk, fkd, v, pos)."""
+        return tuple(self[_N_HYBRID:_N_HYBRID + 5])
 
-_N_HYBRID = len(hy.HybridState._fields)  # SparseState = HybridState's fields, then the cache's
+
+_N_HYBRID = len(hy.HybridState._fields)  # SparseState = HybridState's fields, the cache's, the scores
 
 
 def empty_state(batch: int, heads: int, d: int, d_phi: int, d_v: int, window: int, sinks: int,
-                cache: int, dtype) -> SparseState:
-    """The state before any token: zeros, every slot empty."""
+                cache: int, dtype, rule: str = "recall") -> SparseState:
+    """The state before any token: zeros, every slot empty (no score fields for rule "recall")."""
     z = lambda *s: jnp.zeros((batch, heads) + s, dtype)  # noqa: E731
+    scored = rule == "attention"
     return SparseState(*hy.empty_state(batch, heads, d, d_phi, d_v, window, sinks, dtype),
                        z(cache, d), z(cache, d_phi), z(cache, d_phi), z(cache, d_v),
-                       jnp.full((batch, heads, cache), -1, jnp.int32))
+                       jnp.full((batch, heads, cache), -1, jnp.int32),
+                       z(max(window - 1, 0) if scored else 0), z(cache if scored else 0))
 
 
 def recall_error(fk, fkd, v, S, z, eps: float) -> jax.Array:
@@ -108,18 +124,19 @@ def _powers(gamma: Optional[jax.Array], age: jax.Array, valid: jax.Array, dtype)
     return jnp.where(valid, g ** jnp.where(valid, age, 0), 0)
 
 
-def _select(cache, cand, valid, S, z, eps: float):
+def _select(cache, cand, valid, score):
     """One candidate meets the cache. ``cache``: (k, fk, fkd, v) ``f[batch, heads, C, .]`` and pos
     ``int32[batch, heads, C]``; ``cand``: (k, fk, fkd, v) ``f[batch, heads, .]`` and pos ``int32[]``;
-    ``valid``: ``bool[]`` (a real non-sink token). Returns the new cache, the token leaving for the
-    linear state ((fk, fkd, v) ``f[batch, heads, .]``, pos ``int32[batch, heads]``) and where one
-    leaves (``bool[batch, heads]``)."""
+    ``valid``: ``bool[]`` (a real non-sink token); ``score``: ``f[batch, heads, C + 1]`` of the cached
+    tokens and the candidate (last). Returns the new cache, the token leaving for the linear state
+    ((fk, fkd, v) ``f[batch, heads, .]``, pos ``int32[batch, heads]``), where one leaves (``bool[batch,
+    heads]``) and ``put``, the slot the candidate took (``bool[batch, heads, C]``)."""
     *slots, pos = cache
     B, H, C = pos.shape
     c_pos = jnp.broadcast_to(cand[-1], (B, H))
     every = [jnp.concatenate([a, b[:, :, None]], 2) for a, b in zip(slots, cand[:-1])]  # [B, H, C+1, .]
     every_pos = jnp.concatenate([pos, c_pos[..., None]], -1)
-    score = jax.lax.stop_gradient(recall_error(*every[1:], S, z, eps))
+    score = jax.lax.stop_gradient(score)
     # The lowest score leaves; of equal scores the oldest (positions are distinct).
     lowest = score == score.min(-1, keepdims=True)
     out = jnp.argmin(jnp.where(lowest, every_pos, jnp.iinfo(jnp.int32).max), -1)  # [B, H] in [0, C]
@@ -131,33 +148,44 @@ def _select(cache, cand, valid, S, z, eps: float):
     new_pos = jnp.where(put, c_pos[..., None], pos)
     take = lambda a: jnp.take_along_axis(a, out[:, :, None, None], 2)[:, :, 0]  # noqa: E731
     leaving = tuple(take(a) for a in every[1:]) + (jnp.take_along_axis(every_pos, out[..., None], -1)[..., 0],)
-    return (*new, new_pos), leaving, valid & ~has_free
+    return (*new, new_pos), leaving, valid & ~has_free, put
 
 
-def _admit(S, z, cache, cand, valid, t, gamma, eps: float):
+def _admit(S, z, cache, scores, cand, cand_score, valid, t, gamma, eps: float):
     """A token leaves the window: the cache keeps it or another token, the rest enters (S, z),
-    weighted gamma^(t - i). ``cache``, ``cand``, ``valid``: as ``_select``. Returns ``(S, z, cache)``."""
+    weighted gamma^(t - i). ``cache``, ``cand``, ``valid``: as ``_select``; ``scores``: the cached
+    tokens' stored scores ``f[batch, heads, C]`` and ``cand_score`` the candidate's ``f[batch, heads]``
+    (rule "attention"), or None (rule "recall": computed here from (S, z)). Returns ``(S, z, cache,
+    scores)``."""
     B, H = S.shape[:2]
     if cache[-1].shape[-1]:
-        cache, (fk, fkd, v, pos), leaves = _select(cache, cand, valid, S, z, eps)
+        if scores is None:
+            every = [jnp.concatenate([a, b[:, :, None]], 2) for a, b in zip(cache[1:4], cand[1:4])]
+            score = recall_error(*every, S, z, eps)
+        else:
+            score = jnp.concatenate([scores, cand_score[..., None]], -1)
+        cache, (fk, fkd, v, pos), leaves, put = _select(cache, cand, valid, score)
+        if scores is not None:
+            scores = jnp.where(put, cand_score[..., None], scores)
     else:  # no cache: the candidate itself (the hybrid)
         (_, fk, fkd, v, pos), leaves = cand, jnp.broadcast_to(valid, (B, H))
     w = _powers(gamma, t - jnp.broadcast_to(pos, (B, H)), leaves, S.dtype)  # f[batch, heads]
     S = S + w[..., None, None] * fk[..., :, None] * v[..., None, :]
-    return S, z + w[..., None] * fkd, cache
+    return S, z + w[..., None] * fkd, cache, scores
 
 
 def _read(q_t, fq_t, fqd_t, keys, vals, pos, mask, t, S, z, g, gamma, eps: float):
     """The output at position t from the exact keys (``keys: f[batch, heads, n, d]``, ``pos,
-    mask: [batch, heads, n]``) and the linear state: ``f[batch, heads, d_v]``."""
+    mask: [batch, heads, n]``) and the linear state: ``f[batch, heads, d_v]``, and the exact keys'
+    weights in it (their denominator terms over the whole denominator + eps): ``f[batch, heads, n]``."""
     logits = jnp.einsum("bhd,bhsd->bhs", q_t, keys) / math.sqrt(q_t.shape[-1])
     logits = jnp.where(mask, logits, -jnp.inf)
     c = jnp.max(logits, axis=-1, keepdims=True)
     e = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(c), c, 0)), 0)
     e = g[None, :, None] * _powers(gamma, t - pos, mask, vals.dtype) * e
     num = jnp.einsum("bhs,bhsd->bhd", e, vals) + jnp.einsum("bhf,bhfd->bhd", fq_t, S)
-    den = e.sum(-1) + jnp.einsum("bhf,bhf->bh", fqd_t, z)
-    return num / (den + eps)[..., None]
+    den = e.sum(-1) + jnp.einsum("bhf,bhf->bh", fqd_t, z) + eps
+    return num / den[..., None], e / den[..., None]
 
 
 def _exact_keys(st: SparseState, cache, k_t, v_t, t, window: int, sinks: int):
@@ -189,42 +217,62 @@ def _push(st: SparseState, k_t, fk_t, fkd_t, v_t, t):
     return win, popped
 
 
-def _check(window: int, sinks: int, cache: int, state: SparseState) -> None:
+def _check(window: int, sinks: int, cache: int, rule: str, state: SparseState) -> None:
     if window < 1 and sinks < 1:
         raise LiniclError("sparse_cache needs an exact part (window >= 1 or sinks >= 1), got window="
                           f"{window}, sinks={sinks}")
     if not isinstance(cache, int) or cache < 0:
         raise LiniclError(f"sparse_cache: cache must be an int >= 0, got {cache!r}")
+    if rule not in CACHE_RULES:
+        raise LiniclError(f"sparse_cache: rule must be one of {CACHE_RULES}, got {rule!r}")
+    if rule == "attention" and window < 1:
+        raise LiniclError("sparse_cache: rule 'attention' scores a token by the attention it gets while "
+                          f"in the window; it needs window >= 1, got window={window}")
     if state.cache_pos.shape[-1] != cache:
         raise LiniclError(f"sparse_cache: the state has {state.cache_pos.shape[-1]} cache slots "
                           f"(cache_pos{tuple(state.cache_pos.shape)}), but cache={cache}")
+    want = (max(window - 1, 0), cache) if rule == "attention" else (0, 0)
+    if (state.win_score.shape[-1], state.cache_score.shape[-1]) != want:
+        raise LiniclError(f"sparse_cache: the state's scores (win_score{tuple(state.win_score.shape)}, "
+                          f"cache_score{tuple(state.cache_score.shape)}) are not those of rule {rule!r} "
+                          f"with window={window}, cache={cache}")
 
 
 def recurrent(q, k, fq, fk, v, positions, state: SparseState, *, gate, window: int, sinks: int,
-              cache: int, fq_den=None, fk_den=None, log_gamma=None, eps: float = 0.0):
+              cache: int, fq_den=None, fk_den=None, log_gamma=None, eps: float = 0.0, rule: str = "recall"):
     """Token-by-token ``lax.scan``. Returns ``(o: f[batch, heads, seq, d_v], final_state)``."""
-    _check(window, sinks, cache, state)
+    _check(window, sinks, cache, rule, state)
     fq_den = fq if fq_den is None else fq_den
     fk_den = fk if fk_den is None else fk_den
     gamma = None if log_gamma is None else jnp.exp(log_gamma)
     g = jax.nn.sigmoid(gate)
+    scored = rule == "attention"
+    n_s, n_w = state.sink_pos.shape[0], state.win_pos.shape[0]
 
     def step(st: SparseState, x):
         q_t, k_t, fq_t, fk_t, fqd_t, fkd_t, v_t, t = x  # f[batch, heads, .], int32[]
         S, z = (st.S, st.z) if gamma is None else (st.S * gamma[:, None, None], st.z * gamma[:, None])
-        kept = st[_N_HYBRID:]  # the cache's fields
-        if window == 0:  # the current token leaves at once: it is selected before the output
-            S, z, kept = _admit(S, z, kept, (k_t, fk_t, fkd_t, v_t, t), t >= sinks, t, gamma, eps)
+        kept, c_score = st.cached(), (st.cache_score if scored else None)
+        if window == 0:  # the current token leaves at once: it is selected before the output (rule "recall")
+            S, z, kept, _ = _admit(S, z, kept, None, (k_t, fk_t, fkd_t, v_t, t), None, t >= sinks, t, gamma, eps)
         keys, vals, pos, mask = _exact_keys(st, kept, k_t, v_t, t, window, sinks)
-        o = _read(q_t, fq_t, fqd_t, keys, vals, pos, mask, t, S, z, g, gamma, eps)
+        o, a = _read(q_t, fq_t, fqd_t, keys, vals, pos, mask, t, S, z, g, gamma, eps)
         win, popped = _push(st, k_t, fk_t, fkd_t, v_t, t)
+        # The window's scores: this step's weights added, then shifted like the buffer.
+        w_score = st.win_score + a[:, :, n_s:n_s + n_w] if scored else st.win_score
+        now = a[:, :, n_s + n_w]  # the current token's own weight
+        p_score = (w_score[:, :, 0] if n_w else now) if scored else None
+        if scored and n_w:
+            w_score = jnp.concatenate([w_score[:, :, 1:], now[:, :, None]], 2)
         if window > 0:
             p = popped[-1]
-            S, z, kept = _admit(S, z, kept, popped, (p >= 0) & (p >= sinks), t, gamma, eps)
-        slot = jnp.arange(st.sink_pos.shape[0]) == t
+            S, z, kept, c_score = _admit(S, z, kept, c_score, popped, p_score, (p >= 0) & (p >= sinks), t,
+                                         gamma, eps)
+        slot = jnp.arange(n_s) == t
         sink_k = jnp.where(slot[:, None], k_t[:, :, None], st.sink_k)
         sink_v = jnp.where(slot[:, None], v_t[:, :, None], st.sink_v)
-        return SparseState(S, z, *win, sink_k, sink_v, jnp.where(slot, t, st.sink_pos), *kept), o
+        return SparseState(S, z, *win, sink_k, sink_v, jnp.where(slot, t, st.sink_pos), *kept, w_score,
+                           st.cache_score if c_score is None else c_score), o
 
     xs = tuple(jnp.moveaxis(a, 2, 0) for a in (q, k, fq, fk, fq_den, fk_den, v)) + (positions.astype(jnp.int32),)
     final, o = jax.lax.scan(step, state, xs)
@@ -233,10 +281,10 @@ def recurrent(q, k, fq, fk, v, positions, state: SparseState, *, gate, window: i
 
 def sparse_cache(q, k, fq, fk, v, positions, state: SparseState, *, gate, window: int, sinks: int,
                  cache: int, fq_den=None, fk_den=None, log_gamma=None, eps: float = 0.0,
-                 form: str = "auto"):
+                 form: str = "auto", rule: str = "recall"):
     """The layer in the given form: ``"recurrent"`` (``"auto"`` picks it; there is no other)."""
     if form not in CACHE_FORMS:
         raise LiniclError(f"sparse_cache: form must be one of {CACHE_FORMS} (the cache's selection is "
                           f"sequential), got {form!r}")
     return recurrent(q, k, fq, fk, v, positions, state, gate=gate, window=window, sinks=sinks, cache=cache,
-                     fq_den=fq_den, fk_den=fk_den, log_gamma=log_gamma, eps=eps)
+                     fq_den=fq_den, fk_den=fk_den, log_gamma=log_gamma, eps=eps, rule=rule)

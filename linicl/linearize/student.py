@@ -28,16 +28,17 @@ TRAINED = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate")
 
 
 def student_config(teacher: ModelConfig, *, window: int = 16, sinks: int = 4, feature_size: int = 0,
-                   rope_on: str = "inputs", cache: int = 0) -> ModelConfig:
+                   rope_on: str = "inputs", cache: int = 0, cache_rule: str = "recall") -> ModelConfig:
     """The student of a softmax ``teacher`` config (any position option; rope_on applies to rope).
-    ``cache``: ``ModelConfig.cache`` (needs a window or sinks; the model then runs the recurrent form)."""
+    ``cache``, ``cache_rule``: ``ModelConfig.cache`` and how it chooses (needs a window or sinks; the
+    model then runs the recurrent form)."""
     if not isinstance(teacher, ModelConfig) or teacher.attention != "softmax":
         raise LiniclError(f"student_config needs the ModelConfig of a softmax teacher, got "
                           f"{getattr(teacher, 'attention', type(teacher).__name__)!r}")
     if not teacher.causal:
         raise LiniclError("student_config: the teacher must be causal (a linear state is causal)")
     return teacher.replace(attention="linear", feature_map="hedgehog", feature_size=feature_size,
-                           normalize=True, window=window, sinks=sinks, cache=cache,
+                           normalize=True, window=window, sinks=sinks, cache=cache, cache_rule=cache_rule,
                            rope_on=rope_on if teacher.positions == "rope" else "features")
 
 
@@ -82,17 +83,21 @@ def merge(trained, frozen) -> dict:
     return out
 
 
-def window_config(teacher: ModelConfig, *, window: int, sinks: int = 4) -> ModelConfig:
+def window_config(teacher: ModelConfig, *, window: int, sinks: int = 4, cache: int = 0,
+                  cache_rule: str = "attention") -> ModelConfig:
     """The untrained baseline of a student: the teacher's softmax restricted to its first ``sinks``
     tokens and its last ``window`` (sliding-window attention with sinks, StreamingLLM), with no linear
     part (``feature_map="none"``) and no maps to train. A finite state like the student's (its KV is
     that of ``window - 1 + sinks`` tokens), so prompts convert exactly. Its variables:
     ``student_variables(Transformer(cfg), teacher_variables)`` (its per-head window gates cancel between
-    numerator and denominator, up to the model's own epsilon)."""
+    numerator and denominator, up to the model's own epsilon). ``cache``: also keep that many tokens
+    that left the window, per head, chosen by ``cache_rule`` (default "attention": with no linear part,
+    LoLA's "recall" score is just |v|^2)."""
     if not isinstance(teacher, ModelConfig) or teacher.attention != "softmax":
         raise LiniclError(f"window_config needs the ModelConfig of a softmax teacher, got "
                           f"{getattr(teacher, 'attention', type(teacher).__name__)!r}")
     if not teacher.causal:
         raise LiniclError("window_config: the teacher must be causal")
     return teacher.replace(attention="linear", feature_map=NO_LINEAR_PART, normalize=True, window=window,
-                           sinks=sinks, rope_on="inputs" if teacher.positions == "rope" else "features")
+                           sinks=sinks, cache=cache, cache_rule=cache_rule if cache else "recall",
+                           rope_on="inputs" if teacher.positions == "rope" else "features")

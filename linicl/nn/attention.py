@@ -187,7 +187,8 @@ class Attention(nn.Module):
         kw = dict(gate=gate, window=cfg.window, sinks=cfg.sinks, fq_den=q_den, fk_den=k_den,
                   log_gamma=self._log_gamma(), eps=cfg.attn_eps, form=cfg.form)
         if cfg.cache:  # the hybrid plus LoLA's sparse cache (recurrent only)
-            o, final = sparse_cache.sparse_cache(q, k, fq, fk, v, positions, state, cache=cfg.cache, **kw)
+            o, final = sparse_cache.sparse_cache(q, k, fq, fk, v, positions, state, cache=cfg.cache,
+                                                 rule=cfg.cache_rule, **kw)
         else:
             o, final = hybrid_attention(q, k, fq, fk, v, positions, state, chunk_size=cfg.chunk_size, **kw)
         self._store_all(final, bias, q.shape[2])
@@ -221,7 +222,8 @@ class Attention(nn.Module):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         F, H, dv = cfg.feature_dim, cfg.n_heads, cfg.head_dim
         if cfg.cache:
-            return sparse_cache.empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, cfg.cache, dt)
+            return sparse_cache.empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, cfg.cache, dt,
+                                            cfg.cache_rule)
         if cfg.hybrid:
             return empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, dt)
         if cfg.update == "delta":
@@ -255,7 +257,7 @@ class Attention(nn.Module):
 
     def _model_state(self) -> str:
         cfg = self.cfg
-        cache = f"cache={cfg.cache}, " if cfg.cache else ""
+        cache = f"cache={cfg.cache}, cache_rule={cfg.cache_rule!r}, " if cfg.cache else ""
         return (f"(window={cfg.window}, sinks={cfg.sinks}, {cache}update={cfg.update!r}) keeps "
                 f"{list(self._empty_state(1)._fields)}")
 
@@ -284,7 +286,7 @@ class Attention(nn.Module):
         if not ok:
             raise LiniclError(
                 f"variables['{stored}'] of {self.path_str()} has {name}{tuple(a.shape)}; this model "
-                f"expects {name}[batch, {', '.join(map(str, zero.shape[1:]))}]")
+                f"expects {name}[batch, {', '.join(map(str, zero.shape[1:]))}] (it {self._model_state()})")
         return a if name.endswith("_pos") else a.astype(self.cfg.jnp_dtype)
 
     def _store_all(self, final, bias, n_tokens: int):

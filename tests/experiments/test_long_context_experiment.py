@@ -16,7 +16,8 @@ SCRIPT = REPO / "experiments" / "long_context.py"
 
 def test_help():
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--quick", "--lengths", "--caches", "--windows", "--convert-check", "--resume", "--seed"):
+    for flag in ("--quick", "--lengths", "--caches", "--cache-rules", "--window-caches", "--windows",
+                 "--convert-check", "--resume", "--seed"):
         assert flag in out
 
 
@@ -27,8 +28,10 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "long_context.json").read_text())
     methods = report["methods"]
-    assert methods[:2] == ["softmax", "student"] and "student+cache4" in methods
-    assert sum(m.startswith("window") for m in methods) == 2
+    assert methods[:2] == ["softmax", "student"] and {"student+cache4", "student+attcache4"} <= set(methods)
+    plain = [m for m in methods if m.startswith("window") and "+" not in m]
+    cached = [m for m in methods if m.startswith("window") and m.endswith("+attcache2")]
+    assert len(plain) == 2 and len(cached) == 1
     assert {c["probe"] for c in report["cells"].values()} == {"passkey", "kv", "antonym k=2"}
     for cell in report["cells"].values():
         assert set(cell["methods"]) == set(methods)
@@ -38,8 +41,9 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
                 assert row["converted"]["answers_equal"] == row["converted"]["of"] == 1
                 assert row["converted"]["max_rel_err"] <= 1e-4
     sizes = report["state_floats"]
-    student, windows = sizes["student"], [sizes[m] for m in methods if m.startswith("window")]
+    student, windows = sizes["student"], [sizes[m] for m in plain]
     assert max(windows) <= student < max(windows) + sizes["softmax"] / 288  # the equal window: within a token
+    assert sizes[cached[0]] <= student  # the window + cache fits the student's state too
     assert set(report["loss"]) == set(methods)
     assert all(math.isfinite(x) for x in json_numbers(report))
     assert (tmp_path / "long_context.png").exists()

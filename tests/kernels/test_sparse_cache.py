@@ -1,8 +1,9 @@
 """The sparse-cache kernel (LoLA's exact key/value cache beside the hybrid's linear state): it is the
-hybrid when the cache is empty, it equals an independent NumPy reference of the selection rule (same
-outputs, same cached positions), a state carried between calls is everything a prefix leaves, a cache
-as long as the sequence makes it a decayed softmax, and a pair the linear state recalls badly is kept
-and retrieved. float64; relative errors <= helpers.EXACT_RTOL."""
+hybrid when the cache is empty, it equals an independent NumPy reference of each selection rule
+("recall", "attention"; same outputs, same cached positions), a state carried between calls is
+everything a prefix leaves, a cache as long as the sequence makes it a decayed softmax, and a pair the
+linear state recalls badly (or the window attends to) is kept and retrieved. float64; relative errors
+<= helpers.EXACT_RTOL."""
 
 import math
 
@@ -25,6 +26,7 @@ def problems(draw, min_len: int = 1, max_len: int = 24):
     window, sinks = draw(st.sampled_from([0, 1, 2, 3, 5])), draw(st.sampled_from([0, 1, 3]))
     if window == 0 and sinks == 0:
         sinks = 1  # the kernel needs an exact part
+    rule = draw(st.sampled_from(["recall", "attention"])) if window else "recall"  # attention: a window
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     feat = lambda: np.abs(rng.normal(size=(B, H, T, F)))  # noqa: E731
     fq, fk = feat(), feat()
@@ -33,13 +35,13 @@ def problems(draw, min_len: int = 1, max_len: int = 24):
     return dict(q=rng.normal(size=(B, H, T, d)), k=rng.normal(size=(B, H, T, d)), fq=fq, fk=fk, fqd=fqd,
                 fkd=fkd, v=rng.normal(size=(B, H, T, dv)), gate=rng.normal(size=H), decay=decay,
                 window=window, sinks=sinks, cache=draw(st.sampled_from([0, 1, 2, 3, 5])),
-                eps=draw(st.sampled_from([0.0, 1e-6])))
+                eps=draw(st.sampled_from([0.0, 1e-6])), rule=rule)
 
 
 def _empty(p, cache=None):
     B, H, T, d = p["q"].shape
     return sc.empty_state(B, H, d, p["fk"].shape[-1], p["v"].shape[-1], p["window"], p["sinks"],
-                          p["cache"] if cache is None else cache, jnp.float64)
+                          p["cache"] if cache is None else cache, jnp.float64, p.get("rule", "recall"))
 
 
 def run(p, sl=slice(None), state=None, cache=None, kernel=sc.recurrent):
@@ -51,7 +53,7 @@ def run(p, sl=slice(None), state=None, cache=None, kernel=sc.recurrent):
     kw = dict(gate=jnp.asarray(p["gate"]), window=p["window"], sinks=p["sinks"], fq_den=j("fqd"),
               fk_den=j("fkd"), log_gamma=log_gamma, eps=p["eps"])
     if kernel is sc.recurrent:
-        kw["cache"] = p["cache"] if cache is None else cache
+        kw["cache"], kw["rule"] = p["cache"] if cache is None else cache, p.get("rule", "recall")
         state = _empty(p, cache) if state is None else state
     else:
         B, H, _, d = p["q"].shape
@@ -70,6 +72,7 @@ def _reference_head(p, b, h, leaves=min):
     gam = 1.0 if p["decay"] is None else p["decay"][h]
     g = 1 / (1 + math.exp(-p["gate"][h]))
     linear, slots = [], [-1] * C
+    received = np.zeros(T)  # rule "attention": the weight each token got while in the window
 
     def state(t):  # the linear state at step t: sums over the linear set, decayed to t
         S = sum((gam ** (t - i) * np.outer(fk[i], v[i]) for i in linear), np.zeros((fk.shape[1], v.shape[1])))
@@ -77,6 +80,8 @@ def _reference_head(p, b, h, leaves=min):
         return S, z
 
     def score(j, S, z):
+        if p.get("rule", "recall") == "attention":
+            return float(received[j])
         den = fkd[j] @ z + eps
         pred = np.zeros(v.shape[1]) if den == 0 else fk[j] @ S / den
         return float(np.sum((v[j] - pred) ** 2))
@@ -100,14 +105,17 @@ def _reference_head(p, b, h, leaves=min):
         assert sorted(exact + linear) == list(range(t + 1))  # the two sets partition the keys
         logits = {i: q[t] @ k[i] / math.sqrt(q.shape[1]) for i in exact}
         c = max(logits.values())
-        num, den = np.zeros(v.shape[1]), 0.0
+        num, den, w = np.zeros(v.shape[1]), 0.0, {}
         for i, s in logits.items():
-            w = g * gam ** (t - i) * math.exp(s - c)
-            num, den = num + w * v[i], den + w
+            w[i] = g * gam ** (t - i) * math.exp(s - c)
+            num, den = num + w[i] * v[i], den + w[i]
         for i in linear:
             num = num + gam ** (t - i) * (fq[t] @ fk[i]) * v[i]
             den = den + gam ** (t - i) * (fqd[t] @ fkd[i])
         out[t] = num / (den + eps)
+        for i in w:
+            if i >= sinks and t - i < window:  # in the window (not a sink, not cached)
+                received[i] += w[i] / (den + eps)
         leaving = t - window + 1
         if window > 0 and leaving >= sinks:
             leave(leaving, t)
@@ -180,6 +188,49 @@ def test_the_reference_has_power():
         assert rel_err(o, reference({**p, **other})[0]) >= BASELINE_MIN
     o_flip, slots_flip, _, _ = reference(p, leaves=max)
     assert rel_err(o, o_flip) >= BASELINE_MIN and not np.array_equal(slots, slots_flip)
+
+
+def test_the_attention_rule_has_power():
+    """The attention rule is its own rule: the kernel matches its reference, and the recall rule, the
+    opposite choice and no cache compute something else on the same problem."""
+    rng = np.random.default_rng(1)
+    B, H, T, d, F, dv = 1, 2, 16, 3, 4, 3
+    p = dict(q=2 * rng.normal(size=(B, H, T, d)), k=rng.normal(size=(B, H, T, d)), v=rng.normal(size=(B, H, T, dv)),
+             fq=np.abs(rng.normal(size=(B, H, T, F))), fk=np.abs(rng.normal(size=(B, H, T, F))),
+             gate=rng.normal(size=H), decay=[0.9, 1.0], window=3, sinks=1, cache=3, eps=1e-6, rule="attention")
+    p["fqd"], p["fkd"] = p["fq"], p["fk"]
+    o, final = run(p)
+    o_ref, slots, _, _ = reference(p)
+    assert rel_err(o, o_ref) <= EXACT_RTOL
+    np.testing.assert_array_equal(final.cache_pos, slots)
+    recall = {**p, "rule": "recall"}
+    assert rel_err(o, run(recall)[0]) >= BASELINE_MIN and not np.array_equal(slots, reference(recall)[1])
+    o_flip, slots_flip, _, _ = reference(p, leaves=max)
+    assert rel_err(o, o_flip) >= BASELINE_MIN and not np.array_equal(slots, slots_flip)
+    assert rel_err(o, run(p, cache=0)[0]) >= BASELINE_MIN
+
+
+def test_an_attended_token_is_kept_by_the_attention_rule_and_a_badly_recalled_one_by_recall():
+    """Token 2 (key 3 e1, value e2) is what query 3 looks at; token 7 (value -3 e2, features e2) is
+    what the linear state recalls worst and nobody looks at. With one slot the attention rule keeps 2
+    and the last query (which looks for key 3 e1) reads its value; the recall rule keeps 7."""
+    T = 12
+    q, k = np.zeros((1, 1, T, 2)), np.zeros((1, 1, T, 2))
+    v, fk = np.tile([1.0, 0.0], (1, 1, T, 1)), np.tile([1.0, 0.0], (1, 1, T, 1))
+    k[0, 0, 2], v[0, 0, 2] = [3.0, 0.0], [0.0, 1.0]
+    v[0, 0, 7], fk[0, 0, 7] = [0.0, -3.0], [0.0, 1.0]
+    q[0, 0, 3] = q[0, 0, -1] = [3.0, 0.0]
+    fq = np.tile([1e-3, 0.0], (1, 1, T, 1))
+    p = dict(q=q, k=k, fq=fq, fk=fk, fqd=fq, fkd=fk, v=v, gate=np.zeros(1), decay=None, window=2, sinks=1,
+             cache=1, eps=1e-6, rule="attention")
+    o, final = run(p)
+    np.testing.assert_array_equal(final.cache_pos, [[[2]]])
+    # Token 2's weight against three keys e^{-9/sqrt 2} smaller and the fillers' linear mass 1e-3 each.
+    assert rel_err(o[0, 0, -1], np.asarray([0.0, 1.0])) < 0.05
+    assert rel_err(o, reference(p)[0]) <= EXACT_RTOL
+    o_recall, final_recall = run({**p, "rule": "recall"})
+    np.testing.assert_array_equal(final_recall.cache_pos, [[[7]]])
+    assert rel_err(o_recall[0, 0, -1], np.asarray([0.0, 1.0])) > 0.9
 
 
 # ------------------------------------------------------------------------------------ (c)
@@ -264,6 +315,12 @@ def test_bad_arguments_are_refused():
         run({**p, "window": 0})
     with pytest.raises(LiniclError, match="cache slots"):
         run(p, state=_empty(p, cache=2))
+    with pytest.raises(LiniclError, match="rule"):
+        run({**p, "rule": "oldest"}, state=_empty({**p, "rule": "attention"}))
+    with pytest.raises(LiniclError, match="window >= 1"):
+        run({**p, "window": 0, "sinks": 1, "rule": "attention"}, state=_empty({**p, "window": 1}))
+    with pytest.raises(LiniclError, match="scores"):  # a state of the other rule
+        run({**p, "rule": "attention"}, state=_empty(p))
     with pytest.raises(LiniclError, match="form"):
         sc.sparse_cache(*(jnp.asarray(p[n]) for n in ("q", "k", "fq", "fk", "v")), jnp.arange(12), _empty(p),
                         gate=jnp.zeros(1), window=2, sinks=0, cache=1, form="chunked")

@@ -22,7 +22,7 @@ from helpers import (BASELINE_MIN, EXACT_RTOL, OFFSET_FAMILIES, apply, check_con
 @st.composite
 def cache_configs(draw, family: str = None, **fixed) -> linicl.ModelConfig:
     """Float64 hybrid configs with a cache: hedgehog maps (m = d_head or not), window in {1, 3}, sinks
-    in {0, 1, 4}, cache in {1, 2, 5}, positions none / learned / rope (on the features or the
+    in {0, 1, 4}, cache in {1, 2, 5} chosen by either rule, positions none / learned / rope (on the features or the
     inputs; ``family``: one of ``helpers.OFFSET_FAMILIES``, else drawn), decay (one or per head) or
     none, grouped-query heads, trainable biases."""
     n_heads = draw(st.sampled_from([1, 2]))
@@ -39,7 +39,8 @@ def cache_configs(draw, family: str = None, **fixed) -> linicl.ModelConfig:
         decay=draw(st.one_of(st.none(), st.floats(0.5, 1.0),
                              st.lists(st.floats(0.5, 1.0), min_size=n_heads, max_size=n_heads))),
         window=draw(st.sampled_from([1, 3])), sinks=draw(st.sampled_from([0, 1, 4])),
-        cache=draw(st.sampled_from([1, 2, 5])), form=draw(st.sampled_from(["auto", "recurrent"])),
+        cache=draw(st.sampled_from([1, 2, 5])), cache_rule=draw(st.sampled_from(["recall", "attention"])),
+        form=draw(st.sampled_from(["auto", "recurrent"])),
         norm_type=draw(st.sampled_from(["layernorm", "rmsnorm"])), trainable_bias=draw(st.booleans()),
         dtype="float64")
     values.update(fixed)
@@ -119,7 +120,8 @@ def test_no_cache_is_the_hybrid_unchanged(cfg, T, seed):
                                            "rope_on", "decay", "window", "sinks", "norm_type",
                                            "trainable_bias", "dtype")}
     plain = linicl.ModelConfig(**fields)
-    assert cfg.replace(cache=0, form="auto") == plain and hash(cfg.replace(cache=0, form="auto")) == hash(plain)
+    no_cache = cfg.replace(cache=0, cache_rule="recall", form="auto")
+    assert no_cache == plain and hash(no_cache) == hash(plain)
     assert "cache" not in plain.describe() and f"cache={cfg.cache}" in cfg.describe()
     model, variables = _model(cfg, seed)
     hybrid = linicl.Transformer(plain)  # the same parameters: the cache has none
@@ -133,8 +135,9 @@ def test_no_cache_is_the_hybrid_unchanged(cfg, T, seed):
         assert rel_err(apply(model, variables, x), apply(hybrid, variables, x)) <= EXACT_RTOL
 
 
-def test_state_is_bounded_and_counted():
-    cfg = linicl.ModelConfig(window=3, sinks=2, cache=4, feature_map="hedgehog", dtype="float64")
+@pytest.mark.parametrize("rule", ["recall", "attention"])
+def test_state_is_bounded_and_counted(rule):
+    cfg = linicl.ModelConfig(window=3, sinks=2, cache=4, cache_rule=rule, feature_map="hedgehog", dtype="float64")
     model, variables = _model(cfg, 0)
     short, long = (iclca.convert(model, variables, tokens(1, 1, n, cfg.vocab_size)) for n in (4, 30))
     assert jax.tree.map(jnp.shape, short[PROMPT_STATE]) == jax.tree.map(jnp.shape, long[PROMPT_STATE])
@@ -144,14 +147,17 @@ def test_state_is_bounded_and_counted():
     assert pos.shape == (1, cfg.n_heads, 4) and ((pos >= 2) & (pos < 28)).all()
     floats = sum(a.size for a in jax.tree.leaves(long[PROMPT_STATE]) if jnp.issubdtype(a.dtype, jnp.floating))
     assert iclca.state_floats(cfg) == floats == memory.prompt_floats({PROMPT_STATE: long[PROMPT_STATE]})
-    assert iclca.state_floats(cfg) > iclca.state_floats(cfg.replace(cache=0))
+    assert iclca.state_floats(cfg) > iclca.state_floats(cfg.replace(cache=0, cache_rule="recall"))
+    scores = (2 + 4) * cfg.n_layers * cfg.n_heads  # a score per window (W - 1 = 2) and cache slot
+    other = cfg.replace(cache_rule="recall" if rule == "attention" else "attention")
+    assert abs(iclca.state_floats(cfg) - iclca.state_floats(other)) == scores
 
 
 def test_a_state_stored_with_another_cache_size_is_refused():
     cfg = linicl.ModelConfig(window=2, sinks=1, cache=2, feature_map="hedgehog", dtype="float64")
     model, variables = _model(cfg, 0)
     x = tokens(1, 1, 6, cfg.vocab_size)
-    for other in (cfg.replace(cache=0), cfg.replace(cache=3)):
+    for other in (cfg.replace(cache=0), cfg.replace(cache=3), cfg.replace(cache_rule="attention")):
         converted = iclca.convert(linicl.Transformer(other), variables, x)
         with pytest.raises(LiniclError, match="cache"):
             apply(model, converted, x)
@@ -176,7 +182,20 @@ def test_student_config_passes_the_cache_and_the_maps_do_not_change():
     dict(cache=-1, window=3),
     dict(cache=1.5, window=3),
     dict(cache=True, window=3),
+    dict(cache_rule="oldest", cache=2, window=3),
+    dict(cache_rule="attention", window=3),                                 # a rule without a cache
+    dict(cache_rule="attention", cache=2, sinks=1),                         # attention needs a window
 ])
 def test_bad_cache_options_raise_config_errors_naming_it(changes):
     with pytest.raises(ConfigError, match="ModelConfig.cache"):
         linicl.ModelConfig(**changes)
+
+
+def test_window_config_can_keep_a_cache():
+    """The window baseline with a cache (no linear part): the attention rule by default, the config
+    otherwise the plain window's."""
+    teacher = linicl.ModelConfig(attention="softmax", positions="rope", n_layers=1, dtype="float64")
+    plain = LZ.window_config(teacher, window=4, sinks=1)
+    cached = LZ.window_config(teacher, window=4, sinks=1, cache=3)
+    assert (cached.cache, cached.cache_rule) == (3, "attention") and plain.cache == 0
+    assert cached.replace(cache=0, cache_rule="recall", form="auto") == plain
