@@ -23,6 +23,9 @@ Methods (``--methods``), each with the floats its state holds for one prompt row
 * ``window<W>+attcache<C>`` (``--window-caches C``): a window plus a per-head cache of C tokens that
   left it, chosen by the attention they got while in it, W such that the whole state holds no more
   floats than the student's (no linear part, no training).
+* ``window<W>+oracle`` (``--oracle``, passkey only): a diagnostic, not a method: the softmax teacher
+  restricted to its sinks, its last W (the student's window) tokens and the key line, as if a cache
+  had kept exactly that line in every head. What selection could at best give at that state size.
 
 For every finite-state method the evaluated prompts are also converted (``iclca.convert`` of all but
 the question), and the question read alone must give the prompted model's answers (checked on every
@@ -57,7 +60,7 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 # Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
-                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches")
+                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle")
 RULE_NAMES = {"recall": "cache", "attention": "attcache"}  # method-name part of each cache rule
 EQUAL = "equal"  # --windows: the window whose KV cache matches the student's state
 
@@ -83,6 +86,8 @@ def parse_args(argv=None):
                    help="the rules of the student+cache methods (ModelConfig.cache_rule)")
     p.add_argument("--window-caches", nargs="+", type=reporting.positive_int, default=[],
                    help="window + attention-chosen cache baselines at the student's state size: cache sizes")
+    p.add_argument("--oracle", action="store_true",
+                   help="passkey: also the diagnostic window<W>+oracle (sinks, window and the key line exact)")
     p.add_argument("--windows", nargs="+", default=["student", EQUAL],
                    help="window-only baselines: 'student' (its window), 'equal' (its state size) or a number")
     p.add_argument("--methods", nargs="+", default=None,
@@ -101,6 +106,7 @@ def parse_args(argv=None):
         args.model = args.model or FIXTURE
         args.lengths, args.n, args.pairs, args.shots, args.loss_seqs = [288], 2, 2, [2], 1
         args.shot_tasks, args.caches, args.cache_rules, args.window_caches = ["antonym"], [4], list(RULE_NAMES), [2]
+        args.oracle = True
         args.convert_check = 1 if args.convert_check is None else args.convert_check
     return args
 
@@ -229,6 +235,41 @@ def cell(name, model, variables, finite, prompts, tok, args, max_new: int, keyed
     return row
 
 
+def key_line(prompt) -> tuple:
+    """``(start, end)`` of a passkey prompt's key line: its last run of instruction tokens (with the
+    key at depth 0 the run includes the opening instruction, a few more tokens kept)."""
+    where = np.flatnonzero(np.asarray(prompt.roles) == data.INSTRUCTION)
+    start = where[np.flatnonzero(np.diff(where) > 1)[-1] + 1] if (np.diff(where) > 1).any() else where[0]
+    return int(start), int(where[-1]) + 1
+
+
+def oracle_cell(name, teacher, tv, prompts, tok, args, window: int, sinks: int) -> dict:
+    """The teacher with every layer's attention limited to the sinks, the last ``window`` tokens and
+    the key line (an ``hook_attn_scores`` edit per prompt): an upper bound for a cache of that line."""
+    from linicl import interventions as iv
+
+    def keep(x, span, ctx):
+        q_pos, k_pos = ctx["q_pos"][:, None], ctx["k_pos"][None, :]
+        ok = (k_pos < sinks) | (q_pos - k_pos < window) | ((k_pos >= span[0]) & (k_pos < span[1]))
+        return jnp.where(ok, x, -jnp.inf)
+
+    t0, correct, predictions, kept = time.perf_counter(), [], [], []
+    for p in prompts:
+        span = key_line(p)
+        edits = [iv.apply_fn(f"blocks.{layer}.attn.hook_attn_scores", keep, jnp.asarray(span))
+                 for layer in range(teacher.cfg.n_layers)]
+        res = evaluate_prompts(teacher, iv.with_edits(tv, edits, teacher.cfg), tok, [p], label_prefix=" ",
+                               max_new_tokens=8, batch_size=1, progress=False)
+        predictions.append(res.predictions[0])
+        correct.append(lc.key_answered(res.predictions[0], p.label))
+        kept.append(span[1] - span[0])
+    correct = np.asarray(correct)
+    return dict(method=name, correct=correct.astype(int).tolist(), predictions=predictions,
+                accuracy=float(correct.mean()), wilson=list(stats.wilson(int(correct.sum()), len(prompts))),
+                n=len(prompts), eval_s=time.perf_counter() - t0, tokens=int(len(prompts[0])),
+                state_floats=kv_cache_floats(teacher.cfg, window - 1 + sinks + max(kept)))
+
+
 def shot_prompts(task_name: str, k: int, tok, args) -> list:
     task = data.load_task(task_name, args.data_dir)
     return data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n, same_demos=True)
@@ -326,8 +367,18 @@ def main(argv=None) -> int:
                                                          max_new or 8, keyed=L is not None))
             cells[key]["methods"][name] = done
             bar.update()
+        if args.oracle and probe == "passkey":
+            name = f"window{student.cfg.window}+oracle"
+            done = prog.get(f"{key} | {name}")
+            if done is None and not args.finished_only:
+                done = prog.put(f"{key} | {name}", oracle_cell(name, teacher, tv, prompts, tok, args,
+                                                               student.cfg.window, student.cfg.sinks))
+            if done is not None:
+                cells[key]["methods"][name] = done
     bar.close()
-    report = dict(settings=vars(args), model=args.model or "SmolLM2-135M-Instruct", methods=list(ms), cells=cells,
+    listed = list(ms) + [m for c in cells.values() for m in c["methods"] if m not in ms]
+    report = dict(settings=vars(args), model=args.model or "SmolLM2-135M-Instruct",
+                  methods=list(dict.fromkeys(listed)), cells=cells,
                   machine=reporting.machine_info(), resumed=prog.resumed)
     # each method's state at the longest prompt it was evaluated on (later cells override earlier ones)
     report["state_floats"] = {m: r["state_floats"] for c in sorted(cells.values(), key=lambda c: c["tokens"])
