@@ -25,12 +25,13 @@ from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, CACHE_
                           NORM_TYPES, NORMS, POSITIONS, ROPE_ON, ROPE_STYLES, SKIPS, UPDATES)
 
 
-# Field kinds. Every field of ModelConfig is in exactly one of these (n_kv_heads and decay are checked
-# on their own); tests/library/test_config_validation.py checks that none is left out.
+# Field kinds. Every field of ModelConfig is in exactly one of these (n_kv_heads, d_head,
+# query_pre_attn_scalar and decay are checked on their own); tests/library/test_config_validation.py
+# checks that none is left out.
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size",
                   "mlp_depth")
 _NONNEGATIVE_INTS = ("feature_size", "window", "sinks", "cache")
-_BOOLS = ("normalize", "causal", "use_bias", "tie_embeddings", "trainable_bias")
+_BOOLS = ("normalize", "causal", "use_bias", "tie_embeddings", "trainable_bias", "qk_norm", "scale_embeddings")
 _OPTIONAL_BOOLS = ("final_norm", "attn_bias", "mlp_bias")  # None means "derived from other fields"
 _POSITIVE_FLOATS = ("rope_base", "ln_eps")
 # 0 is allowed: no epsilon (the denominator of a non-negative map is positive without one).
@@ -38,7 +39,7 @@ _NONNEGATIVE_FLOATS = ("attn_eps",)
 _CHOICES = {"attention": ATTENTION_KINDS, "feature_map": ALL_FEATURE_MAPS, "rope_on": ROPE_ON,
             "positions": POSITIONS, "norm": NORMS, "norm_type": NORM_TYPES, "skip": SKIPS, "mlp": MLPS,
             "rope_style": ROPE_STYLES, "activation": ACTIVATIONS, "form": FORMS, "dtype": DTYPES,
-            "gate": GATES, "update": UPDATES}
+            "gate": GATES, "update": UPDATES, "cache_rule": CACHE_RULES}
 
 
 def _scalar(value):
@@ -153,8 +154,11 @@ class ModelConfig:
         ``"attention"``: the attention weight a token received from the ``window`` queries it was
         exact for (stored with it, so the state grows by window - 1 + cache floats per head); the
         lowest leaves. ``"attention"`` needs window >= 1; either needs ``cache >= 1``.
-      norm: ``"pre"`` (with a final norm), ``"post"`` or ``"none"`` (no norm in the blocks).
-      norm_type: ``"layernorm"`` (GPT-2: scale and bias) or ``"rmsnorm"`` (Llama: scale only).
+      norm: ``"pre"`` (with a final norm), ``"post"``, ``"none"`` (no norm in the blocks) or
+        ``"sandwich"`` (Gemma 2/3: pre-norm, and the attention's and the MLP's outputs normalised
+        again before they are added, h = x + N1'(A(N1(x))), out = h + N2'(MLP(N2(h))); a final norm).
+      norm_type: ``"layernorm"`` (GPT-2: scale and bias), ``"rmsnorm"`` (Llama: scale only) or
+        ``"gemma_rmsnorm"`` (x / rms(x) * (1 + w), w initialised to 0).
       skip: how a block without norms adds its parts (``norm="none"`` only; the implicit-update
         block forms of Dherin et al. and Innocenti & Achour): ``"residual"`` h = x + A(x), out = h +
         MLP(h); ``"dherin"`` out = x + A(x) + MLP(A(x)); ``"none"`` (Dherin's plain block) out =
@@ -177,6 +181,16 @@ class ModelConfig:
       trainable_bias: add zero-initialised trainable initial states (B, b) per layer and head to the
         params (ICLCA Fig. 1).
       dtype: parameter and computation dtype.
+      d_head: the width of each head; ``None`` = d_model / n_heads (which must then divide). Gemma
+        sets it apart (heads * d_head != d_model; ``o`` maps back to d_model).
+      qk_norm: normalise q and k per head (over d_head, with ``norm_type`` and ``ln_eps``; params
+        ``q_norm``, ``k_norm``) after the projections (and their sites) and before rope (Gemma 3).
+      scale_embeddings: multiply the token embeddings by sqrt(d_model) (in the model's dtype) before
+        the first block (Gemma); the tied unembedding uses the unscaled matrix. ``embeds=`` inputs are
+        the first block's input and are not scaled.
+      query_pre_attn_scalar: s in the attention scale 1/sqrt(s) (Gemma); ``None`` = d_head. The
+        queries are multiplied by sqrt(d_head / s) after rope, so every kernel (softmax, linear
+        features, the exact window) sees the same scaled query.
     """
 
     vocab_size: int = 64
@@ -220,12 +234,16 @@ class ModelConfig:
     update: str = "add"
     cache: int = 0
     cache_rule: str = "recall"
+    d_head: Optional[int] = None
+    qk_norm: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: Optional[float] = None
 
     def __post_init__(self):
         self._check_fields()
-        if self.d_model % self.n_heads:
+        if self.d_head is None and self.d_model % self.n_heads:
             raise ConfigError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
-                              f"n_heads ({self.n_heads})")
+                              f"n_heads ({self.n_heads}), or set d_head")
         self._check_structure()
         self._check_decay()
         self._check_recurrence()  # first: a delta-rule model with sinks hears "sinks=0", not "normalize=True"
@@ -249,6 +267,10 @@ class ModelConfig:
             self._set(f, _int(f, getattr(self, f), 0))
         if self.n_kv_heads is not None:
             self._set("n_kv_heads", _int("n_kv_heads", self.n_kv_heads, 1))
+        if self.d_head is not None:
+            self._set("d_head", _int("d_head", self.d_head, 1))
+        if self.query_pre_attn_scalar is not None:
+            self._set("query_pre_attn_scalar", _float("query_pre_attn_scalar", self.query_pre_attn_scalar, True))
         for f in _BOOLS + _OPTIONAL_BOOLS:
             self._set(f, _bool(f, getattr(self, f), optional=f in _OPTIONAL_BOOLS))
         for f in _POSITIVE_FLOATS + _NONNEGATIVE_FLOATS:
@@ -324,8 +346,6 @@ class ModelConfig:
 
     def _check_cache(self) -> None:
         """The sparse cache extends the hybrid: it needs one, and the recurrent form."""
-        if self.cache_rule not in CACHE_RULES:
-            raise ConfigError(f"ModelConfig.cache_rule must be one of {CACHE_RULES}, got {self.cache_rule!r}")
         if not self.cache:
             if self.cache_rule != "recall":  # a rule with nothing to rule: say so, do not ignore it
                 raise ConfigError(f"ModelConfig.cache_rule={self.cache_rule!r} chooses what a sparse cache "
@@ -412,7 +432,13 @@ class ModelConfig:
     # ---------------------------------------------------------------- derived quantities
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_model // self.n_heads if self.d_head is None else self.d_head
+
+    @property
+    def query_scale(self) -> float:
+        """sqrt(d_head / query_pre_attn_scalar): the factor on the queries (1.0 by default)."""
+        s = self.query_pre_attn_scalar
+        return 1.0 if s is None else math.sqrt(self.head_dim / s)
 
     @property
     def kv_heads(self) -> int:
@@ -428,7 +454,7 @@ class ModelConfig:
 
     @property
     def has_final_norm(self) -> bool:
-        return self.norm == "pre" if self.final_norm is None else self.final_norm
+        return self.norm in ("pre", "sandwich") if self.final_norm is None else self.final_norm
 
     @property
     def feature_dim(self) -> int:

@@ -55,8 +55,11 @@ ALL_FEATURE_MAPS = FEATURE_MAPS + LEARNED_FEATURE_MAPS + (NO_LINEAR_PART,)
 # (relative; the state is re-based), or on q, k before phi (absolute; the offset is kept).
 ROPE_ON = ("features", "inputs")
 POSITIONS = ("none", "learned", "rope")
-NORMS = ("pre", "post", "none")
-NORM_TYPES = ("layernorm", "rmsnorm")
+# "sandwich": pre-norm blocks that also normalise the attention's and the MLP's outputs before adding
+# them to the residual (Gemma 2 and 3).
+NORMS = ("pre", "post", "none", "sandwich")
+# "gemma_rmsnorm": RMSNorm that multiplies by (1 + w), w initialised to 0 (Gemma's convention).
+NORM_TYPES = ("layernorm", "rmsnorm", "gemma_rmsnorm")
 SKIPS = ("residual", "dherin", "none")
 MLPS = ("plain", "gated")
 ROPE_STYLES = ("interleaved", "half")

@@ -125,6 +125,17 @@ def _structure(draw, n_heads: int) -> dict:
                 rope_style=draw(st.sampled_from(ROPE_STYLES)))
 
 
+def gemma_options(draw, values: dict) -> dict:
+    """Gemma's options on top of a drawn config's ``values``: q/k norms, scaled embeddings, the
+    attention scale s, and (sometimes) a head width set apart from d_model / n_heads (d_model is then
+    widened by 2, so that heads * d_head != d_model)."""
+    out = dict(qk_norm=draw(st.booleans()), scale_embeddings=draw(st.booleans()),
+               query_pre_attn_scalar=draw(st.sampled_from([None, 3.0, 17.5])))
+    if draw(st.booleans()):
+        out.update(d_head=values["d_model"] // values["n_heads"], d_model=values["d_model"] + 2)
+    return out
+
+
 # How a stored prompt reaches the query, by position handling: the strata every exactness property is
 # run on (``pytest.mark.parametrize("family", ...)``), so that no profile can draw too few examples to
 # see one. Each behaves differently at the prompt/query seam: nothing to carry ("position-free"), an
@@ -186,6 +197,7 @@ def linear_configs(draw, max_layers: int = 3, max_len: int = 128, family: str = 
         # the identity held only to 1.4e-12 (thorough profile). It is exact all the same (1e-14 with
         # eps = 1e-3 on that example); the strategy keeps these models well conditioned.
         values["attn_eps"] = 1e-3
+    values.update(gemma_options(draw, values))
     values.update(fixed)
     return linicl.ModelConfig(**values)
 
@@ -206,6 +218,7 @@ def softmax_configs(draw, **fixed) -> linicl.ModelConfig:
                   n_layers=draw(st.integers(1, 3)), n_heads=n_heads, d_ff=8, max_len=128,
                   attention="softmax", positions=draw(st.sampled_from(POSITIONS)),
                   **_structure(draw, n_heads), use_bias=draw(st.booleans()), dtype="float64")
+    values.update(gemma_options(draw, values))
     values.update(fixed)
     return linicl.ModelConfig(**values)
 
@@ -262,6 +275,7 @@ def finite_state_configs(draw, max_layers: int = 2, family: str = None, **fixed)
         chunk_size=draw(st.sampled_from([2, 3, 16])), trainable_bias=draw(st.booleans()), dtype="float64")
     if feature_map == "relu" and values["normalize"]:
         values["attn_eps"] = 1e-3  # as in linear_configs: keep relu's denominators well conditioned
+    values.update(gemma_options(draw, values))
     values.update(fixed)
     return linicl.ModelConfig(**values)
 

@@ -26,10 +26,21 @@ from linicl.nn.block import Block
 _GATE_PROJECTIONS = ("gate_proj", "beta_proj")
 
 
+def check_block_form(cfg: ModelConfig, what: str) -> None:
+    """The theorem needs the MLP output added to the residual as it is: a sandwich block normalises it
+    first (N2'(MLP(g) + delta_b) != N2'(MLP(g)) + delta_b), so no rank-1 patch of the MLP reproduces
+    the context. Refused, never approximated."""
+    if cfg.norm == "sandwich":
+        raise LiniclError(f"{what}: the implicit update needs the MLP output added to the residual "
+                          f"unnormalised; norm='sandwich' (Gemma) normalises it after the MLP, so the "
+                          f"rank-1 identity does not hold for this block form")
+
+
 def check_block_params(cfg: ModelConfig, block_params) -> None:
     """``block_params`` must be one block's params (``variables["params"]["layers_<i>"]``): the tree
     ``Block(cfg)`` would initialise, with the same paths and shapes. Only shapes are compared, so
     traced params pass. A common slip, the whole model's params, is named as such."""
+    check_block_form(cfg, "implicit block functions")
     if not isinstance(block_params, Mapping):
         raise LiniclError(f"block_params must be one block's params (a dict such as "
                           f"variables['params']['layers_0']), got {type(block_params).__name__}")

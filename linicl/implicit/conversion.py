@@ -18,7 +18,7 @@ from linicl import compiled
 from linicl._validate import check_index, check_tokens, is_concrete
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
-from linicl.implicit.blocks import Pieces, alone
+from linicl.implicit.blocks import Pieces, alone, check_block_form
 from linicl.implicit.model import capture_blocks, stack_blocks
 from linicl.implicit.operators import check_defined, degenerate, has_bias_shift, patch, update
 from linicl.interventions import capture
@@ -118,6 +118,7 @@ def _position(position, T: int):
 
 def _prepare(model, variables, context, query, position):
     cfg = config_of(model)
+    check_block_form(cfg, "implicit.convert")
     _check_variables(variables)
     if has_bias_shift(cfg) and not cfg.has_mlp_bias:
         raise LiniclError("implicit.convert shifts each block's last MLP bias (fc_out.bias), but this "

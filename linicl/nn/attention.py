@@ -61,6 +61,7 @@ from linicl.kernels.positions import apply_rope
 from linicl.kernels.softmax_attention import attention_logits, causal_mask, repeat_kv
 from linicl.names import DECODE, PROMPT_APPROX, PROMPT_STATE
 from linicl.nn.hooks import site
+from linicl.nn.norms import make_norm
 
 _EMPTY_SLOT = jnp.iinfo(jnp.int32).max  # key position of an unfilled cache slot: later than any query
 
@@ -118,6 +119,10 @@ class Attention(nn.Module):
         # [batch, seq, heads, d_head] (the sites' layout) -> [batch, heads, seq, d_head]
         q, k, v = (jnp.swapaxes(site(self, f"hook_{n}", dense(sizes[n], name=n)(x), head_axis=2), 1, 2)
                    for n in ("q", "k", "v"))
+        if cfg.qk_norm:  # Gemma 3: per head over d_head, one norm shared by the heads, before rope
+            q, k = make_norm(cfg, "q_norm")(q), make_norm(cfg, "k_norm")(k)
+        if cfg.query_pre_attn_scalar is not None:  # q.k / sqrt(d_head) becomes q.k / sqrt(s)
+            q = q * jnp.asarray(cfg.query_scale, dt)
         if cfg.attention == "linear":
             o = self._linear(x, q, repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads), positions)
         else:

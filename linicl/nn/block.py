@@ -6,6 +6,7 @@ Block forms (``cfg.norm`` / ``cfg.skip``), with A the attention and N1, N2 the b
 form                h (the residual the MLP adds to)    MLP input               output
 ==================  ==================================  ======================  ====================
 pre                 x + A(N1(x))                        N2(h)                   h + MLP(N2(h))
+sandwich            x + N1'(A(N1(x)))                   N2(h)                   h + N2'(MLP(N2(h)))
 post                N1(x + A(x))                        h                       N2(h + MLP(h))
 none / residual     x + A(x)                            h                       h + MLP(h)
 none / dherin       x + A(x)                            A(x)                    h + MLP(A(x))
@@ -14,7 +15,9 @@ none / none         0 (Dherin's plain block)            A(x)                    
 
 The sites ``hook_mlp_in`` (the MLP input, "g" of the implicit-update theory) and ``hook_resid_mid``
 (the residual value h the MLP output is added to, "q") are named the same in every form, so the
-implicit-update operators read them without knowing the form.
+implicit-update operators read them without knowing the form. In the sandwich form ``hook_attn_out``
+and ``hook_mlp_out`` are what is added to the residual (after N1', N2'; params ``ln1_post``,
+``ln2_post``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 
 from linicl.config import ModelConfig
 from linicl.nn.attention import Attention
+from linicl.nn.norms import make_norm
 from linicl.names import ACTIVATIONS
 from linicl.nn.hooks import site
 
@@ -39,15 +43,6 @@ ACTIVATION_FNS = {
     "tanh": jnp.tanh,
 }
 assert tuple(ACTIVATION_FNS) == ACTIVATIONS
-
-
-def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
-    """LayerNorm (scale and bias) or RMSNorm (scale only), with the model's epsilon (part of the
-    model: it is the same on both sides of every identity)."""
-    dt = cfg.jnp_dtype
-    if cfg.norm_type == "rmsnorm":
-        return nn.RMSNorm(epsilon=cfg.ln_eps, dtype=dt, param_dtype=dt, name=name)
-    return nn.LayerNorm(epsilon=cfg.ln_eps, dtype=dt, param_dtype=dt, name=name)
 
 
 class MLP(nn.Module):
@@ -91,9 +86,11 @@ class Block(nn.Module):
         cfg = self.cfg
         attn, mlp = Attention(cfg, name="attn"), MLP(cfg, name="mlp")
         x = site(self, "hook_resid_pre", x)
-        a = site(self, "hook_attn_out", attn(make_norm(cfg, "ln1")(x) if cfg.norm == "pre" else x,
-                                             positions))
-        if cfg.norm == "pre":
+        pre = cfg.norm in ("pre", "sandwich")
+        sandwich = cfg.norm == "sandwich"
+        a = attn(make_norm(cfg, "ln1")(x) if pre else x, positions)
+        a = site(self, "hook_attn_out", make_norm(cfg, "ln1_post")(a) if sandwich else a)
+        if pre:
             h = x + a
             g = make_norm(cfg, "ln2")(site(self, "hook_resid_mid", h))
         elif cfg.norm == "post":
@@ -102,7 +99,8 @@ class Block(nn.Module):
             h = site(self, "hook_resid_mid", {"residual": x + a, "dherin": x + a,
                                               "none": jnp.zeros_like(a)}[cfg.skip])
             g = h if cfg.skip == "residual" else a
-        out = h + site(self, "hook_mlp_out", mlp(site(self, "hook_mlp_in", g)))
+        m = mlp(site(self, "hook_mlp_in", g))
+        out = h + site(self, "hook_mlp_out", make_norm(cfg, "ln2_post")(m) if sandwich else m)
         if cfg.norm == "post":
             out = make_norm(cfg, "ln2")(out)
         return site(self, "hook_resid_post", out)

@@ -22,7 +22,8 @@ from linicl.config import ModelConfig
 from linicl.errors import LiniclError
 from linicl.names import DECODE, POSITION
 from linicl.nn.attention import advancing
-from linicl.nn.block import Block, make_norm
+from linicl.nn.block import Block
+from linicl.nn.norms import make_norm
 from linicl.nn.hooks import site
 
 _EMBED_INIT = nn.initializers.normal(stddev=0.02)
@@ -97,7 +98,10 @@ class Transformer(nn.Module):
                                   f"{embeds.dtype}{tuple(embeds.shape)}")
             return embeds.astype(cfg.jnp_dtype)
         check_tokens("tokens", tokens, cfg.vocab_size)
-        return site(self, "hook_embed", take_rows(embed, tokens))
+        x = take_rows(embed, tokens)
+        if cfg.scale_embeddings:  # Gemma: sqrt(d_model), rounded to the model's dtype
+            x = x * jnp.asarray(cfg.d_model ** 0.5, cfg.jnp_dtype)
+        return site(self, "hook_embed", x)
 
     def _positions(self, T: int) -> jax.Array:
         """``int32[T]`` positions of this call's tokens; advances the position counters if mutable."""

@@ -257,7 +257,7 @@ def test_continuous_prompt_converts_exactly(family, data, n, m, batch, seed):
     assert rel_err(fwd(converted, query), reference) <= EXACT_RTOL
     assert rel_err(fwd(variables, query), reference) >= BASELINE_MIN
     ids = tokens(seed + 2, batch, m, cfg.vocab_size)
-    embed = variables["params"]["embed"]
+    embed = variables["params"]["embed"] * (cfg.d_model ** 0.5 if cfg.scale_embeddings else 1.0)  # block 0's input
     mixed = fwd(variables, jnp.concatenate([jnp.repeat(prompt, batch, 0), embed[ids]], 1))[:, n:]
     assert rel_err(apply(model, converted, ids), mixed) <= EXACT_RTOL
 

@@ -24,13 +24,16 @@ BAD = [
     ("mlp_depth", 1), ("mlp_depth", 2.0), ("mlp_depth", np.bool_(True)),
     *[(f, v) for f in ("feature_size", "window", "sinks", "cache") for v in (-1, 1.5, True, "2", None)],
     ("n_kv_heads", 0), ("n_kv_heads", 2.0), ("n_kv_heads", True), ("n_kv_heads", "2"), ("n_kv_heads", 3),
-    *[(f, v) for f in ("normalize", "causal", "use_bias", "tie_embeddings", "trainable_bias")
+    *[("d_head", v) for v in (0, -2, 2.5, True, "8", np.float64(8.0))],
+    *[("query_pre_attn_scalar", v) for v in (0, -1.0, NAN, INF, "16", True)],
+    *[(f, v) for f in ("normalize", "causal", "use_bias", "tie_embeddings", "trainable_bias", "qk_norm",
+                       "scale_embeddings")
       for v in (1, 0, "yes", "False", None, np.int64(1), 1.0)],
     *[(f, v) for f in ("final_norm", "attn_bias", "mlp_bias") for v in (1, 0, "no", np.int64(0))],
     *[(f, v) for f in ("rope_base", "ln_eps") for v in (0, 0.0, -1.0, NAN, INF, "1e4", True, None, [1.0])],
     *[("attn_eps", v) for v in (-1e-6, NAN, INF, -INF, "1e-6", True, None, np.bool_(False))],
     *[(f, v) for f in ("attention", "feature_map", "positions", "norm", "norm_type", "skip", "mlp",
-                       "rope_style", "rope_on", "activation", "form", "dtype", "gate", "update")
+                       "rope_style", "rope_on", "activation", "form", "dtype", "gate", "update", "cache_rule")
       for v in ("nope", None, 1, ["linear"], np.array([1, 2]))],
     ("decay", "1111"), ("decay", "0.9"), ("decay", True), ("decay", np.bool_(True)), ("decay", NAN),
     ("decay", INF), ("decay", 1.5), ("decay", 0), ("decay", -0.5), ("decay", [0.9] * 3),

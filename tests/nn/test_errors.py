@@ -16,7 +16,7 @@ from helpers import init, tokens
     (dict(attention="rnn"), "attention must be one of"),
     (dict(feature_map="softplus"), "feature_map must be one of"),
     (dict(positions="alibi"), "positions must be one of"),
-    (dict(norm="sandwich"), "norm must be one of"),
+    (dict(norm="peri"), "norm must be one of"),
     (dict(decay=1.5), r"decay values must lie in \(0, 1\]"),
     (dict(decay=0.0), r"decay values must lie in \(0, 1\]"),
     (dict(decay=[0.9, 0.9]), "one per head"),

@@ -147,11 +147,25 @@ def _np_features(cfg, attn, x, which):
     return np.concatenate([softmax(a), softmax(-a)], -1)
 
 
+def _np_norm(cfg, p, x):
+    """The q/k norm over the last axis (``cfg.norm_type``, its params ``p``)."""
+    if cfg.norm_type == "layernorm":
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + cfg.ln_eps) * p["scale"] + p["bias"]
+    w = p["scale"] if cfg.norm_type == "rmsnorm" else 1.0 + p["scale"]
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.ln_eps) * w
+
+
 def _np_reference(cfg, attn, q, k, v):
     """The attention output ``[B, T, H, d]`` from the sites hook_q/k/v ``[B, T, heads, d]``, by direct
     sums over keys i <= t: exact window/sink keys g gamma^(t-i) e^{q.k/sqrt d - c_t}, older keys
-    gamma^(t-i) phi(q).phi(k), a trainable initial state decayed by gamma^(t+1)."""
+    gamma^(t-i) phi(q).phi(k), a trainable initial state decayed by gamma^(t+1). Gemma's q/k norms
+    and query scale sqrt(d / s) come first."""
     H, T = cfg.n_heads, q.shape[1]
+    if cfg.qk_norm:
+        q, k = (_np_norm(cfg, jax.tree.map(np.asarray, attn[f"{n}_norm"]), a) for n, a in (("q", q), ("k", k)))
+    if cfg.query_pre_attn_scalar is not None:
+        q = q * math.sqrt(q.shape[-1] / cfg.query_pre_attn_scalar)
     q, k, v = (np.moveaxis(np.repeat(a, H // a.shape[2], axis=2), 1, 2) for a in (q, k, v))  # [B, H, T, d]
     rot = lambda x: np.asarray(apply_rope(jnp.asarray(x), jnp.arange(T), cfg.rope_base, cfg.rope_style))  # noqa: E731
     rope = cfg.positions == "rope"

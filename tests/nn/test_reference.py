@@ -7,8 +7,11 @@ them. Here the model is written again from its documentation (``ModelConfig``'s 
 kernels' module docstrings, ``linicl.nn.block``'s table of block forms, iclca.md section 4) as plain
 NumPy loops and direct sums over keys, reading only the parameters of the initialised variables:
 
-* embeddings (tied or not, learned positions), LayerNorm / RMSNorm, every block form, plain (any
-  depth) and gated MLPs with every activation;
+* embeddings (tied or not, learned positions, scaled by sqrt(d_model)), LayerNorm / RMSNorm /
+  Gemma's RMSNorm (1 + w), every block form (sandwich included), plain (any depth) and gated MLPs
+  with every activation;
+* Gemma's attention options: q/k norms before rope, the scale 1/sqrt(query_pre_attn_scalar), a head
+  width set apart from d_model / n_heads;
 * softmax attention (causal or not, rope in both pairings, grouped-query heads);
 * linear attention: y_t = sum_{s<=t} gamma_h^(t-s) phi(q_t).phi(k_s) v_s / (sum ... + eps), with the
   feature maps (elu+1, relu, identity, taylor2, hedgehog), per-head decays gamma_h in the order
@@ -116,9 +119,12 @@ def _dense(p, x, bias: bool):
 
 
 def _norm(cfg, p, x):
-    """LayerNorm ((x - mean) / sqrt(var + eps) * scale + bias) or RMSNorm (x / rms * scale)."""
+    """LayerNorm ((x - mean) / sqrt(var + eps) * scale + bias), RMSNorm (x / rms * scale) or Gemma's
+    RMSNorm (x / rms * (1 + scale)), over the last axis."""
     if cfg.norm_type == "rmsnorm":
         return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.ln_eps) * p["scale"]
+    if cfg.norm_type == "gemma_rmsnorm":
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.ln_eps) * (1.0 + p["scale"])
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
     return (x - mu) / np.sqrt(var + cfg.ln_eps) * p["scale"] + p["bias"]
@@ -228,10 +234,15 @@ def _softmax_head(cfg, q, k, v, qpos, kpos, approx=None):
 
 def _attention(cfg, p, x, pos, rec, approx=None):
     """Multi-head attention of ``x: [B, T, D]`` at ``pos: [T]`` -> ``[B, T, D]``."""
-    H, d, bias = cfg.n_heads, cfg.d_model // cfg.n_heads, _bias(cfg, "attn")
+    H, bias = cfg.n_heads, _bias(cfg, "attn")
+    d = cfg.d_model // cfg.n_heads if cfg.d_head is None else cfg.d_head
     q = np.einsum("btm,mhd->bthd", x, p["q"]["kernel"]) + (p["q"]["bias"] if bias else 0)
     k = np.einsum("btm,mhd->bthd", x, p["k"]["kernel"]) + (p["k"]["bias"] if bias else 0)
     v = np.einsum("btm,mhd->bthd", x, p["v"]["kernel"]) + (p["v"]["bias"] if bias else 0)
+    if cfg.qk_norm:  # each head's q and k over d, before rope
+        q, k = _norm(cfg, p["q_norm"], q), _norm(cfg, p["k_norm"], k)
+    if cfg.query_pre_attn_scalar is not None:  # q.k / sqrt(d) becomes q.k / sqrt(s)
+        q = q * math.sqrt(d / cfg.query_pre_attn_scalar)
     assert q.shape[2] == H and k.shape[2] == _kv_heads(cfg) and q.shape[3] == d
     out = np.zeros(q.shape)
     for b in range(x.shape[0]):
@@ -260,6 +271,9 @@ def _block(cfg, p, x, pos, rec, approx=None):
     if cfg.norm == "pre":
         h = x + A(_norm(cfg, p["ln1"], x))
         return h + M(_norm(cfg, p["ln2"], h))
+    if cfg.norm == "sandwich":  # N1', N2' = ln1_post, ln2_post on what is added to the residual
+        h = x + _norm(cfg, p["ln1_post"], A(_norm(cfg, p["ln1"], x)))
+        return h + _norm(cfg, p["ln2_post"], M(_norm(cfg, p["ln2"], h)))
     if cfg.norm == "post":
         h = _norm(cfg, p["ln1"], x + A(x))
         return _norm(cfg, p["ln2"], h + M(h))
@@ -277,6 +291,8 @@ def np_forward(cfg, params, toks, start: int = 0, approx=None):
     toks = np.asarray(toks)
     pos = start + np.arange(toks.shape[1])
     x = params["embed"][toks]
+    if cfg.scale_embeddings:
+        x = x * math.sqrt(cfg.d_model)
     if cfg.positions == "learned":
         x = x + params["pos_embed"][pos][None]
     records = []
@@ -284,7 +300,7 @@ def np_forward(cfg, params, toks, start: int = 0, approx=None):
         rec = []
         x = _block(cfg, params[f"layers_{l}"], x, pos, rec, None if approx is None else approx[l])
         records.append(rec)
-    final_norm = cfg.norm == "pre" if cfg.final_norm is None else cfg.final_norm
+    final_norm = cfg.norm in ("pre", "sandwich") if cfg.final_norm is None else cfg.final_norm
     if final_norm:
         x = _norm(cfg, params["ln_f"], x)
     logits = x @ params["embed"].T if cfg.tie_embeddings else x @ params["unembed"]["kernel"]
@@ -377,6 +393,11 @@ LINEAR = {
                                               positions="rope", rope_on="inputs"),
     "elu+1/window2/sinks2/chunked": cfg_(window=2, sinks=2, form="chunked", chunk_size=3,
                                          decay=(0.9, 0.7)),
+    "hedgehog/window3/gemma-like": cfg_(feature_map="hedgehog", window=3, sinks=1, positions="rope",
+                                        rope_on="inputs", rope_style="half", n_kv_heads=1, d_head=5,
+                                        norm="sandwich", norm_type="gemma_rmsnorm", qk_norm=True,
+                                        scale_embeddings=True, query_pre_attn_scalar=7.0, mlp="gated",
+                                        use_bias=False),
 }
 SOFTMAX = {
     "gpt2-like/learned": cfg_(attention="softmax", positions="learned"),
@@ -386,6 +407,11 @@ SOFTMAX = {
                                                  norm_type="rmsnorm", mlp="gated", activation="silu",
                                                  use_bias=False, tie_embeddings=False),
     "non-causal/post": cfg_(attention="softmax", causal=False, norm="post"),
+    "gemma-like/sandwich/qk-norm/d_head/scale": cfg_(attention="softmax", positions="rope", rope_style="half",
+                                                     n_heads=4, d_model=16, n_kv_heads=2, d_head=6,
+                                                     norm="sandwich", norm_type="gemma_rmsnorm", qk_norm=True,
+                                                     scale_embeddings=True, query_pre_attn_scalar=5.0,
+                                                     mlp="gated", activation="gelu_tanh", use_bias=False),
     "no-norm-dherin/depth3/relu/attn-bias-only": cfg_(attention="softmax", norm="none", skip="dherin",
                                                       mlp_depth=3, activation="relu", use_bias=True,
                                                       mlp_bias=False),
@@ -425,6 +451,19 @@ def test_the_reference_has_power():
     assert _err(out, np_forward(cfg, params, x)[0]) <= EXACT_RTOL
     for other in (cfg.replace(decay=cfg.decay[::-1]), cfg.replace(rope_style="half"),
                   cfg.replace(rope_on="inputs"), cfg.replace(window=3), cfg.replace(sinks=0)):
+        assert _err(out, np_forward(other, params, x)[0]) >= BASELINE_MIN, other.describe()
+
+
+def test_the_reference_tells_gemma_options_apart():
+    """Each of Gemma's options changes the reference: without the post norms (pre), with RMSNorm's w
+    for Gemma's 1 + w, without q/k norms, unscaled embeddings or the default attention scale."""
+    cfg = SOFTMAX["gemma-like/sandwich/qk-norm/d_head/scale"]
+    model, variables, params, apply = model_of(cfg)
+    x = tokens(3, 1, 8, cfg.vocab_size)
+    out = apply(variables, x)
+    assert _err(out, np_forward(cfg, params, x)[0]) <= EXACT_RTOL
+    for other in (cfg.replace(norm="pre"), cfg.replace(norm_type="rmsnorm"), cfg.replace(qk_norm=False),
+                  cfg.replace(scale_embeddings=False), cfg.replace(query_pre_attn_scalar=None)):
         assert _err(out, np_forward(other, params, x)[0]) >= BASELINE_MIN, other.describe()
 
 
