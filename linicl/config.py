@@ -22,15 +22,15 @@ from linicl.errors import ConfigError
 from linicl.kernels.feature_maps import feature_dim
 from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, CACHE_FORMS, CACHE_RULES,  # noqa: F401
                           DTYPES, FEATURE_MAPS, FORMS, GATES, MLPS, NO_LINEAR_PART, NONNEGATIVE_MAPS,
-                          NORM_TYPES, NORMS, POSITIONS, ROPE_ON, ROPE_STYLES, SKIPS, UPDATES)
+                          NORM_TYPES, NORMS, POSITIONS, ROPE_ON, ROPE_STYLES, SKIPS, UPDATES, LAYER_TYPES)
 
 
 # Field kinds. Every field of ModelConfig is in exactly one of these (n_kv_heads, d_head,
-# query_pre_attn_scalar and decay are checked on their own); tests/library/test_config_validation.py
-# checks that none is left out.
+# query_pre_attn_scalar, layer_types, rope_local_base and decay are checked on their own);
+# tests/library/test_config_validation.py checks that none is left out.
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size",
                   "mlp_depth")
-_NONNEGATIVE_INTS = ("feature_size", "window", "sinks", "cache")
+_NONNEGATIVE_INTS = ("feature_size", "window", "sinks", "cache", "sliding_window")
 _BOOLS = ("normalize", "causal", "use_bias", "tie_embeddings", "trainable_bias", "qk_norm", "scale_embeddings")
 _OPTIONAL_BOOLS = ("final_norm", "attn_bias", "mlp_bias")  # None means "derived from other fields"
 _POSITIVE_FLOATS = ("rope_base", "ln_eps")
@@ -191,6 +191,17 @@ class ModelConfig:
       query_pre_attn_scalar: s in the attention scale 1/sqrt(s) (Gemma); ``None`` = d_head. The
         queries are multiplied by sqrt(d_head / s) after rope, so every kernel (softmax, linear
         features, the exact window) sees the same scaled query.
+      layer_types: ``None`` (every layer the config's attention) or one of ``LAYER_TYPES`` per layer:
+        ``"global"`` (the config's attention) or ``"local"``: exact softmax over the current token and
+        the ``sliding_window - 1`` before it (Gemma 2/3, Mistral), with rope base ``rope_local_base``.
+        A local layer is a finite state, so it runs as the window-only hybrid (``layer_config``:
+        attention "linear", feature_map "none", window = sliding_window, no sinks, attn_eps 0, rope on
+        the inputs): its decode state and a converted prompt hold the last window - 1 keys and values
+        with their positions, whatever the length. Its per-head window gate cancels (no linear part,
+        no epsilon): exactly softmax. Linear global layers with local ones need rope on the inputs
+        (the local windows keep absolute positions).
+      sliding_window: the local layers' window (>= 1 with local layers, else 0).
+      rope_local_base: the local layers' rope base; ``None`` = ``rope_base``.
     """
 
     vocab_size: int = 64
@@ -238,6 +249,9 @@ class ModelConfig:
     qk_norm: bool = False
     scale_embeddings: bool = False
     query_pre_attn_scalar: Optional[float] = None
+    layer_types: Optional[Sequence[str]] = None
+    sliding_window: int = 0
+    rope_local_base: Optional[float] = None
 
     def __post_init__(self):
         self._check_fields()
@@ -255,6 +269,7 @@ class ModelConfig:
         if self.attention == "softmax" and (self.decay is not None or self.trainable_bias):
             raise ConfigError("ModelConfig.decay and trainable_bias apply to attention='linear' only")
         self._check_rope()
+        self._check_layer_types()
 
     def _set(self, field: str, value) -> None:
         object.__setattr__(self, field, value)  # frozen: normalised values (np.int64 -> int, ...)
@@ -271,6 +286,8 @@ class ModelConfig:
             self._set("d_head", _int("d_head", self.d_head, 1))
         if self.query_pre_attn_scalar is not None:
             self._set("query_pre_attn_scalar", _float("query_pre_attn_scalar", self.query_pre_attn_scalar, True))
+        if self.rope_local_base is not None:
+            self._set("rope_local_base", _float("rope_local_base", self.rope_local_base, True))
         for f in _BOOLS + _OPTIONAL_BOOLS:
             self._set(f, _bool(f, getattr(self, f), optional=f in _OPTIONAL_BOOLS))
         for f in _POSITIVE_FLOATS + _NONNEGATIVE_FLOATS:
@@ -343,6 +360,34 @@ class ModelConfig:
         if self.positions == "rope" and self.rope_on != "inputs":
             raise ConfigError("ModelConfig.feature_map='none' has no features to rotate: with "
                               "positions='rope' it needs rope_on='inputs'")
+
+    def _check_layer_types(self) -> None:
+        """Local layers: one type per layer, a window for them, and positions they can keep."""
+        types = self.layer_types
+        if types is not None:
+            if isinstance(types, str) or not isinstance(types, Sequence) or len(types) != self.n_layers:
+                raise ConfigError(f"ModelConfig.layer_types must be None or a sequence of n_layers "
+                                  f"({self.n_layers}) names from {LAYER_TYPES}, got {types!r}")
+            bad = [t for t in types if not isinstance(t, str) or t not in LAYER_TYPES]
+            if bad:
+                raise ConfigError(f"ModelConfig.layer_types entries must be one of {LAYER_TYPES}, got "
+                                  f"{bad[0]!r} in {types!r}")
+            self._set("layer_types", tuple(types))  # hashable
+        local = self.has_local_layers
+        if local and not self.sliding_window:
+            raise ConfigError(f"ModelConfig.layer_types has local layers; they need sliding_window >= 1 "
+                              f"(got sliding_window={self.sliding_window})")
+        if not local and (self.sliding_window or self.rope_local_base is not None):
+            raise ConfigError(f"ModelConfig.sliding_window={self.sliding_window} and rope_local_base="
+                              f"{self.rope_local_base} set the local layers, but layer_types has none "
+                              f"(got layer_types={self.layer_types!r})")
+        if local and not self.causal:
+            raise ConfigError("ModelConfig.layer_types: local (sliding-window) layers are causal; "
+                              "they need causal=True")
+        if local and self.attention == "linear" and self.positions == "rope" and self.rope_on != "inputs":
+            raise ConfigError("ModelConfig.layer_types: local layers keep absolute positions, so linear "
+                              "global layers with rope need rope_on='inputs' (got rope_on='features', "
+                              "whose state is re-based to position 0)")
 
     def _check_cache(self) -> None:
         """The sparse cache extends the hybrid: it needs one, and the recurrent form."""
@@ -472,10 +517,34 @@ class ModelConfig:
         return self.attention == "linear" and (self.window > 0 or self.sinks > 0)
 
     @property
+    def has_local_layers(self) -> bool:
+        return self.layer_types is not None and "local" in self.layer_types
+
+    def layer_config(self, layer: int) -> "ModelConfig":
+        """The config layer ``layer`` runs with: this one for a global layer; for a local layer the
+        exact sliding-window softmax as a finite-state hybrid (no linear part, no sinks, no epsilon,
+        rope on the inputs at ``rope_local_base``), every option of the global attention reset."""
+        if not self.has_local_layers or self.layer_types[layer] == "global":
+            return self
+        return self.replace(
+            attention="linear", feature_map=NO_LINEAR_PART, feature_size=0, normalize=True, decay=None,
+            gate="none", update="add", window=self.sliding_window, sinks=0, cache=0, cache_rule="recall",
+            attn_eps=0.0, trainable_bias=False,
+            rope_on="inputs" if self.positions == "rope" else "features",
+            rope_base=self.rope_base if self.rope_local_base is None else self.rope_local_base,
+            layer_types=None, sliding_window=0, rope_local_base=None)
+
+    def single_layer(self, layer: int) -> "ModelConfig":
+        """A one-layer model of layer ``layer`` (its ``layer_config``, with one layer and no pattern)."""
+        cfg = self.layer_config(layer)
+        return cfg.replace(n_layers=1, layer_types=None, sliding_window=0, rope_local_base=None)
+
+    @property
     def keeps_offset(self) -> bool:
         """Whether a stored prompt keeps absolute positions: the query continues at the prompt's
-        length (``position/offset``), because the model depends on absolute positions."""
-        return self.positions == "learned" or self.hybrid or (
+        length (``position/offset``), because the model depends on absolute positions (local layers
+        do: their windows keep positions)."""
+        return self.positions == "learned" or self.hybrid or self.has_local_layers or (
             self.attention == "linear" and self.positions == "rope" and self.rope_on == "inputs")
 
     @property

@@ -102,8 +102,9 @@ def _padded_length(cfg, variables, n: int) -> int:
     is hidden by the causal mask and overwritten), with nothing in ``variables`` that depends on the
     sequence length (edits, captured activations). Not with learned positions after a stored prompt
     (the offset could push the padding past ``max_len``, whose NaN would reach the real tokens through
-    the attention weights' zeros), nor with linear attention, whose state would sum the padding."""
-    if cfg.attention != "softmax" or not cfg.causal:
+    the attention weights' zeros), nor with linear attention, whose state would sum the padding, nor
+    with local layers, whose window would keep the padding instead of the last real tokens."""
+    if cfg.attention != "softmax" or not cfg.causal or cfg.has_local_layers:
         return n
     if not set(variables) <= {"params", PROMPT_APPROX, POSITION}:
         return n

@@ -229,19 +229,24 @@ def bias_terms(variables: Variables) -> list[tuple[jax.Array, jax.Array]]:
 
 
 def state_floats(cfg: ModelConfig) -> int:
-    """Floats stored per prompt (batch 1), independent of the prompt length: L * H * (d_phi * d_v + d_phi)
-    (gated or not; the delta rule keeps no z: L * H * d_phi * d_v), plus, with a window or sinks, per
-    buffered token its key, two feature vectors and value ((window - 1) * (d + 2 d_phi + d_v)) and per
-    sink its key and value (sinks * (d + d_v)), and per cache slot what a buffered token holds
+    """Floats stored per prompt (batch 1), independent of the prompt length, summed over the layers
+    (a local layer, ``ModelConfig.layer_config``, is a window-only hybrid). Per layer: H * (d_phi * d_v
+    + d_phi) (gated or not; the delta rule keeps no z: H * d_phi * d_v), plus, with a window or sinks,
+    per buffered token its key, two feature vectors and value ((window - 1) * (d + 2 d_phi + d_v)) and
+    per sink its key and value (sinks * (d + d_v)), and per cache slot what a buffered token holds
     (cache * (d + 2 d_phi + d_v)), and with ``cache_rule="attention"`` a score per buffered and cached
     token. The buffers' int32 positions are not counted."""
+    return sum(_layer_state_floats(cfg.layer_config(layer)) for layer in range(cfg.n_layers))
+
+
+def _layer_state_floats(cfg: ModelConfig) -> int:
     F, d = cfg.feature_dim, cfg.head_dim
     per_head = F * d + (0 if cfg.update == "delta" else F)
     if cfg.hybrid:
         per_head += (max(cfg.window - 1, 0) + cfg.cache) * (d + 2 * F + d) + cfg.sinks * (d + d)
         if cfg.cache and cfg.cache_rule == "attention":
             per_head += max(cfg.window - 1, 0) + cfg.cache
-    return cfg.n_layers * cfg.n_heads * per_head
+    return cfg.n_heads * per_head
 
 
 # ------------------------------------------------------------------------------ approximate (softmax)

@@ -47,15 +47,30 @@ def site_names(cfg: ModelConfig) -> Tuple[str, ...]:
 
     Read off the model itself: an abstract trace (``jax.eval_shape``, no computation) of one forward
     pass that captures every site, so the list cannot drift from the ``site(...)`` calls of the
-    modules. Every block is the same module with the same config, so one block is traced and its
-    sites are repeated for each layer. Traced once per config (``linicl.compiled``)."""
+    modules. One block is traced per distinct layer config (``ModelConfig.single_layer``: local and
+    global layers differ) and its sites are named for each layer. Traced once per config
+    (``linicl.compiled``)."""
     if not isinstance(cfg, ModelConfig):
         raise LiniclError(f"site_names needs a ModelConfig, got {type(cfg).__name__}")
     return compiled.get(("interventions.site_names", cfg), lambda: _traced_site_names(cfg))
 
 
 def _traced_site_names(cfg: ModelConfig) -> Tuple[str, ...]:
-    model = Transformer(cfg.replace(n_layers=1))
+    traced = {}  # one trace per distinct layer config (local and global layers differ)
+    for l in range(cfg.n_layers):
+        one = cfg.single_layer(l)
+        if one not in traced:
+            traced[one] = _trace_one_layer(one)
+    outside, _, _ = traced[cfg.single_layer(0)]
+    first = traced[cfg.single_layer(0)][2]
+    blocks = [site_name((layer_scope(l),) + p) for l in range(cfg.n_layers) for p in traced[cfg.single_layer(l)][1]]
+    return tuple(outside[:first] + blocks + outside[first:])
+
+
+def _trace_one_layer(cfg: ModelConfig):
+    """``(sites outside the block, paths inside it, index of the block's first site)`` of a one-layer
+    model, read off an abstract trace."""
+    model = Transformer(cfg)
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
     traced: list = []
@@ -68,9 +83,8 @@ def _traced_site_names(cfg: ModelConfig) -> Tuple[str, ...]:
     jax.eval_shape(trace, variables, tokens)
     block = [n for n in traced if site_layer(n) == 0]
     first = traced.index(block[0])
-    per_layer = [site_path(n)[1:] for n in block]  # the path inside the block
-    blocks = [site_name((layer_scope(l),) + p) for l in range(cfg.n_layers) for p in per_layer]
-    return tuple(traced[:first] + blocks + traced[first + len(block):])
+    outside = traced[:first] + traced[first + len(block):]
+    return outside, [site_path(n)[1:] for n in block], first
 
 
 def full_name(name, layer: Optional[int] = None) -> str:

@@ -51,5 +51,10 @@ def prompt_floats(variables: Mapping, *, projections: bool = True) -> int:
 def kv_cache_floats(cfg: ModelConfig, n_tokens: int) -> int:
     """Floats of a softmax KV cache holding ``n_tokens`` prompt tokens, per prompt row: a key and a
     value of ``head_dim`` for every layer and key-value head, ``2 * n_layers * kv_heads * head_dim *
-    n_tokens`` (grouped-query heads share theirs)."""
-    return 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * int(n_tokens)
+    n_tokens`` (grouped-query heads share theirs); a local layer (``ModelConfig.layer_types``) needs
+    only the last ``sliding_window - 1`` of them."""
+    per_token = 2 * cfg.kv_heads * cfg.head_dim
+    n = int(n_tokens)
+    if not cfg.has_local_layers:
+        return cfg.n_layers * per_token * n
+    return sum(per_token * (min(n, cfg.sliding_window - 1) if t == "local" else n) for t in cfg.layer_types)

@@ -80,6 +80,9 @@ GATES = ("none", "scalar", "vector")
 # delta rule S = (I - beta k k^T) S + beta k v^T (DeltaNet; linicl.kernels.delta_rule), no z.
 UPDATES = ("add", "delta")
 DTYPES = ("float32", "float64", "bfloat16")
+# A layer's attention (ModelConfig.layer_types): "global" (the config's own attention) or "local" (exact
+# softmax over the last sliding_window tokens: a finite state; Gemma 2/3, Mistral).
+LAYER_TYPES = ("global", "local")
 # Feature maps whose inner products phi(q).phi(k) are never negative (a normalised linear attention
 # then has a positive denominator, up to the model's own epsilon).
 NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2", "hedgehog", NO_LINEAR_PART)

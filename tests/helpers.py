@@ -136,6 +136,17 @@ def gemma_options(draw, values: dict) -> dict:
     return out
 
 
+def local_layers(draw, n_layers: int, positions: str) -> dict:
+    """Gemma-style local (sliding-window softmax) layers among the global ones: a type per layer, a
+    window in {1, 2, 5} and (with rope) a local rope base or the global one."""
+    types = draw(st.lists(st.sampled_from(["global", "local"]), min_size=n_layers, max_size=n_layers))
+    if "local" not in types:
+        types[draw(st.integers(0, n_layers - 1))] = "local"
+    return dict(layer_types=tuple(types),
+                sliding_window=draw(st.sampled_from([1, 2, 5])),
+                rope_local_base=draw(st.sampled_from([None, 100.0])) if positions == "rope" else None)
+
+
 # How a stored prompt reaches the query, by position handling: the strata every exactness property is
 # run on (``pytest.mark.parametrize("family", ...)``), so that no profile can draw too few examples to
 # see one. Each behaves differently at the prompt/query seam: nothing to carry ("position-free"), an
@@ -276,6 +287,8 @@ def finite_state_configs(draw, max_layers: int = 2, family: str = None, **fixed)
     if feature_map == "relu" and values["normalize"]:
         values["attn_eps"] = 1e-3  # as in linear_configs: keep relu's denominators well conditioned
     values.update(gemma_options(draw, values))
+    if drawn and (positions != "rope" or rope_on == "inputs") and draw(st.booleans()):
+        values.update(local_layers(draw, values["n_layers"], positions))
     values.update(fixed)
     return linicl.ModelConfig(**values)
 

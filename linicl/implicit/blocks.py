@@ -30,6 +30,10 @@ def check_block_form(cfg: ModelConfig, what: str) -> None:
     """The theorem needs the MLP output added to the residual as it is: a sandwich block normalises it
     first (N2'(MLP(g) + delta_b) != N2'(MLP(g)) + delta_b), so no rank-1 patch of the MLP reproduces
     the context. Refused, never approximated."""
+    if cfg.has_local_layers:
+        raise LiniclError(f"{what}: a model with local layers (layer_types) has blocks of two configs; pass "
+                          f"one block's own config (ModelConfig.layer_config(layer)) to the block functions, "
+                          f"and implicit.convert does not take such models yet")
     if cfg.norm == "sandwich":
         raise LiniclError(f"{what}: the implicit update needs the MLP output added to the residual "
                           f"unnormalised; norm='sandwich' (Gemma) normalises it after the MLP, so the "

@@ -76,7 +76,7 @@ def layer_losses(cfg, params, X, A):
     positions = jnp.arange(X.shape[2], dtype=jnp.int32)
     out = []
     for l in range(cfg.n_layers):
-        s = _attn_out(cfg, params[layer_scope(l)], X[l], positions).astype(jnp.float32)
+        s = _attn_out(cfg.layer_config(l), params[layer_scope(l)], X[l], positions).astype(jnp.float32)
         t = A[l].astype(jnp.float32)
         out.append(jnp.mean((s - t) ** 2) / jnp.mean(t ** 2))
     return jnp.stack(out)

@@ -107,8 +107,8 @@ def _model_config(source: str, **fields) -> ModelConfig:
 
 
 def config_from_hf(hf: dict, *, dtype: str = "float32", source: str = "config.json") -> ModelConfig:
-    """A ModelConfig from an HF ``config.json`` dict (``model_type`` gpt2 or llama). Every field used is
-    checked (type and range); errors are DataErrors naming ``source`` and the field."""
+    """A ModelConfig from an HF ``config.json`` dict (``model_type`` gpt2, llama or gemma3_text). Every
+    field used is checked (type and range); errors are DataErrors naming ``source`` and the field."""
     _check_dtype(dtype, need_x64=False)
     if not isinstance(hf, dict):
         raise DataError(f"{source} must hold a JSON object (a dict of hyper-parameters), "
@@ -118,7 +118,9 @@ def config_from_hf(hf: dict, *, dtype: str = "float32", source: str = "config.js
         return _gpt2_config(hf, dtype, source)
     if kind == "llama":
         return _llama_config(hf, dtype, source)
-    raise DataError(f"{source}: model_type={kind!r}; linicl loads 'gpt2' and 'llama'")
+    if kind == "gemma3_text":
+        return _gemma3_config(hf, dtype, source)
+    raise DataError(f"{source}: model_type={kind!r}; linicl loads 'gpt2', 'llama' and 'gemma3_text'")
 
 
 def _divides(source: str, whole: Tuple[str, int], part: Tuple[str, int]) -> None:
@@ -226,6 +228,61 @@ def config_from_gguf(f: GGUFFile, *, dtype: str = "float32") -> ModelConfig:
 Spec = Tuple[str, ...]
 
 
+_GEMMA3_LAYERS = {"sliding_attention": "local", "full_attention": "global"}
+
+
+def _gemma3_bases(hf: dict, source: str) -> Tuple[float, float]:
+    """(global, local) rope bases: ``rope_parameters`` per layer type (transformers 5) or the older
+    ``rope_theta`` / ``rope_local_base_freq``; only plain rope."""
+    params = _dict(hf, "rope_parameters", source)
+    if params:
+        out = []
+        for kind in ("full_attention", "sliding_attention"):
+            p = _dict(params, kind, f"{source}: rope_parameters")
+            if p.get("rope_type", "default") != "default":
+                raise DataError(f"{source}: rope_parameters.{kind}.rope_type={p.get('rope_type')!r} (rope "
+                                f"scaling) is not supported; only the plain rope")
+            out.append(_pos_float(p, "rope_theta", f"{source}: rope_parameters.{kind}"))
+        return out[0], out[1]
+    if _dict(hf, "rope_scaling", source):
+        raise DataError(f"{source}: rope_scaling is not supported; only the plain rope")
+    return (_pos_float(hf, "rope_theta", source, 1_000_000.0),
+            _pos_float(hf, "rope_local_base_freq", source, 10_000.0))
+
+
+def _gemma3_config(hf: dict, dtype: str, source: str) -> ModelConfig:
+    L = _pos_int(hf, "num_hidden_layers", source)
+    types = _field(hf, "layer_types", source, None)
+    if types is None:  # older configs: every sliding_window_pattern-th layer is global
+        period = _pos_int(hf, "sliding_window_pattern", source, 6)
+        types = ["full_attention" if (l + 1) % period == 0 else "sliding_attention" for l in range(L)]
+    if not isinstance(types, list) or len(types) != L or any(t not in _GEMMA3_LAYERS for t in types):
+        raise DataError(f"{source}: layer_types must list {L} of {sorted(_GEMMA3_LAYERS)}, got {types!r}")
+    act = _field(hf, "hidden_activation", source, "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise DataError(f"{source}: Gemma 3 hidden_activation={act!r} is not supported (gelu_pytorch_tanh only)")
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if _field(hf, cap, source, None) is not None:
+            raise DataError(f"{source}: {cap}={hf[cap]!r}: soft-capping is not supported")
+    H = _pos_int(hf, "num_attention_heads", source)
+    Hkv = _pos_int(hf, "num_key_value_heads", source, H)
+    _divides(source, ("num_attention_heads", H), ("num_key_value_heads", Hkv))
+    head_dim = _pos_int(hf, "head_dim", source)
+    rope_global, rope_local = _gemma3_bases(hf, source)
+    return _model_config(
+        source, vocab_size=_pos_int(hf, "vocab_size", source), d_model=_pos_int(hf, "hidden_size", source),
+        n_layers=L, n_heads=H, n_kv_heads=Hkv, d_head=head_dim, d_ff=_pos_int(hf, "intermediate_size", source),
+        max_len=_pos_int(hf, "max_position_embeddings", source, 32768), attention="softmax", positions="rope",
+        rope_style="half", rope_base=rope_global, rope_local_base=rope_local, norm="sandwich",
+        norm_type="gemma_rmsnorm", qk_norm=True, scale_embeddings=True, mlp="gated", activation="gelu_tanh",
+        use_bias=False, attn_bias=_flag(hf, "attention_bias", source, False),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", source, True),
+        query_pre_attn_scalar=_pos_float(hf, "query_pre_attn_scalar", source, float(head_dim)),
+        layer_types=tuple(_GEMMA3_LAYERS[t] for t in types),
+        sliding_window=_pos_int(hf, "sliding_window", source),
+        ln_eps=_pos_float(hf, "rms_norm_eps", source, 1e-6), dtype=dtype)
+
+
 def _sizes(cfg: ModelConfig) -> Dict[str, int]:
     return {"vocab": cfg.vocab_size, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads,
             "head_dim": cfg.head_dim, "d_ff": cfg.d_ff, "positions": cfg.max_len}
@@ -286,6 +343,12 @@ def _llama_map(cfg: ModelConfig, names: dict) -> Mapping_:
         L, n = f"layers_{l}", {k: v.format(l=l) for k, v in names["layer"].items()}
         m[n["ln1"]] = ((L, "ln1", "scale"), _ident, vec)
         m[n["ln2"]] = ((L, "ln2", "scale"), _ident, vec)
+        for extra in ("ln1_post", "ln2_post"):  # Gemma's sandwich norms
+            if extra in n:
+                m[n[extra]] = ((L, extra, "scale"), _ident, vec)
+        for extra in ("q_norm", "k_norm"):  # Gemma 3's per-head q/k norms
+            if extra in n:
+                m[n[extra]] = ((L, "attn", extra, "scale"), _ident, ("head_dim",))
         m[n["q"]] = ((L, "attn", "q", "kernel"), lambda w: _heads_in(H, dh)(fix_q(w)), (q_rows, "d_model"))
         m[n["k"]] = ((L, "attn", "k", "kernel"), lambda w: _heads_in(Hkv, dh)(fix_k(w)), (kv_rows, "d_model"))
         m[n["v"]] = ((L, "attn", "v", "kernel"), _heads_in(Hkv, dh), (kv_rows, "d_model"))
@@ -312,6 +375,22 @@ _HF_LLAMA = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", 
                        "ln2": "model.layers.{l}.post_attention_layernorm.weight",
                        **{k: f"model.layers.{{l}}.self_attn.{k}_proj.weight" for k in "qkvo"},
                        **{k: f"model.layers.{{l}}.mlp.{k}_proj.weight" for k in ("gate", "up", "down")}}}
+
+
+_HF_GEMMA3 = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight",
+              "layer": {**_HF_LLAMA["layer"],
+                        "ln2": "model.layers.{l}.pre_feedforward_layernorm.weight",
+                        "ln1_post": "model.layers.{l}.post_attention_layernorm.weight",
+                        "ln2_post": "model.layers.{l}.post_feedforward_layernorm.weight",
+                        "q_norm": "model.layers.{l}.self_attn.q_norm.weight",
+                        "k_norm": "model.layers.{l}.self_attn.k_norm.weight"}}
+
+
+def _window_gates(cfg: ModelConfig) -> dict:
+    """Values for the parameters no checkpoint holds: a local layer's per-head window gate (it
+    cancels between numerator and denominator, so 0 is as good as any)."""
+    return {(f"layers_{l}", "attn", "gate"): np.zeros((cfg.n_heads,), np.float32)
+            for l in range(cfg.n_layers) if cfg.layer_config(l) is not cfg}
 
 
 def _gguf_llama(cfg: ModelConfig) -> dict:
@@ -398,11 +477,12 @@ def _check_finite(value: np.ndarray, name: str, file: str, when: str) -> None:
 
 def fill_params(cfg: ModelConfig, mapping: Mapping_, get: Callable[[str], np.ndarray],
                 shapes: Dict[str, Tuple[int, ...]], source: str,
-                file_of: Optional[Callable[[str], str]] = None) -> Params:
+                file_of: Optional[Callable[[str], str]] = None, defaults: Optional[dict] = None) -> Params:
     """Nested params from file tensors; raises on unknown, missing, mis-shaped or non-finite tensors.
 
     ``shapes``: every tensor of the file with its header shape; ``file_of(name)``: the file holding a
-    tensor, for messages (default ``source``)."""
+    tensor, for messages (default ``source``); ``defaults``: ``{param path: value}`` for parameters no
+    file holds and whose value does not change the model (a local layer's window gate)."""
     file_of = file_of or (lambda name: source)
     want = expected_shapes(cfg)
     base = {name.split("#")[0] for name in mapping}
@@ -427,6 +507,14 @@ def fill_params(cfg: ModelConfig, mapping: Mapping_, get: Callable[[str], np.nda
         for p in path[:-1]:
             node = node.setdefault(p, {})
         node[path[-1]] = value
+    for path, value in (defaults or {}).items():
+        if path not in want or tuple(value.shape) != want[path]:
+            raise DataError(f"{source}: default for {'/'.join(path)} of shape {value.shape}; the model "
+                            f"expects {want.get(path)}")
+        node = params
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = value.astype(cfg.jnp_dtype)
     unfilled = sorted("/".join(p) for p in want if not _has(params, p))
     if unfilled:
         raise DataError(f"{source}: no tensor for the parameters {unfilled}")
@@ -506,9 +594,11 @@ def _load_hf(directory: Path, dtype: str):
     if cfg.attention == "softmax" and cfg.positions == "learned":  # GPT-2
         prefix = "transformer." if any(n.startswith("transformer.") for n in shapes) else ""
         mapping = _gpt2_map(cfg, prefix)
+    elif hf.get("model_type") == "gemma3_text":
+        mapping = _llama_map(cfg, _HF_GEMMA3)
     else:
         mapping = _llama_map(cfg, _HF_LLAMA)
-    params = fill_params(cfg, mapping, get, shapes, str(directory), file_of)
+    params = fill_params(cfg, mapping, get, shapes, str(directory), file_of, _window_gates(cfg))
     return cfg, params, load_tokenizer_dir(directory)
 
 
@@ -537,7 +627,8 @@ def from_pretrained(path, *, dtype: str = "float32", max_len: Optional[int] = No
     """``(model, variables, tokenizer)`` from an HF directory or a ``.gguf`` file.
 
     Args:
-      path: a directory with ``config.json`` and safetensors weights (GPT-2 or Llama architecture), or
+      path: a directory with ``config.json`` and safetensors weights (GPT-2, Llama or Gemma 3 text
+        architecture), or
         a GGUF file of a ``llama`` model (quantised tensors are dequantised).
       dtype: ``"float32"`` (default), ``"bfloat16"``, or ``"float64"`` for exactness work (needs
         ``jax_enable_x64``).

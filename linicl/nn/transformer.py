@@ -77,8 +77,8 @@ class Transformer(nn.Module):
         if cfg.positions == "learned" and first_layer == 0:
             pos_embed = self.param("pos_embed", _EMBED_INIT, (cfg.max_len, cfg.d_model), dt)
             x = x + site(self, "hook_pos_embed", take_rows(pos_embed, positions)[None])
-        for layer in range(first_layer, cfg.n_layers):
-            x = Block(cfg, name=f"layers_{layer}")(x, positions)
+        for layer in range(first_layer, cfg.n_layers):  # a local layer runs its own (finite-state) config
+            x = Block(cfg.layer_config(layer), name=f"layers_{layer}")(x, positions)
         if cfg.has_final_norm:
             x = site(self, "ln_final.hook_normalized", make_norm(cfg, "ln_f")(x))
         if hidden:

@@ -22,7 +22,11 @@ BAD = [
     *[(f, v) for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size")
       for v in (0, -3, 3.5, True, "64", None, np.float64(8.0))],
     ("mlp_depth", 1), ("mlp_depth", 2.0), ("mlp_depth", np.bool_(True)),
-    *[(f, v) for f in ("feature_size", "window", "sinks", "cache") for v in (-1, 1.5, True, "2", None)],
+    *[(f, v) for f in ("feature_size", "window", "sinks", "cache", "sliding_window")
+      for v in (-1, 1.5, True, "2", None)],
+    ("layer_types", "local"), ("layer_types", ("local",)), ("layer_types", ("global", "loco")),
+    ("layer_types", 3), ("layer_types", ("global", None)),
+    *[("rope_local_base", v) for v in (0, -1.0, NAN, INF, "1e4", True)],
     ("n_kv_heads", 0), ("n_kv_heads", 2.0), ("n_kv_heads", True), ("n_kv_heads", "2"), ("n_kv_heads", 3),
     *[("d_head", v) for v in (0, -2, 2.5, True, "8", np.float64(8.0))],
     *[("query_pre_attn_scalar", v) for v in (0, -1.0, NAN, INF, "16", True)],

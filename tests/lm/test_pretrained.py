@@ -32,8 +32,11 @@ FIXTURES = FIXTURES
 #   pairing, kv-head order, a transposed matrix) moves the logits by O(1) (rope pairing: 1.3).
 # * float32 models against HF float32: two float32 implementations, each ~1e-6 off the exact value
 #   through a couple of layers of width 64: 1e-5 (measured 1.1e-6 and 1.4e-6).
-TOL = {("gpt2-tiny", "float64"): 1e-12, ("llama-tiny", "float64"): 1e-5,
-       ("gpt2-tiny", "float32"): 1e-5, ("llama-tiny", "float32"): 1e-5}
+# * Gemma 3 in float64: as Llama, HF computes RMSNorm (``x.float()``), the rope angles and the softmax
+#   in float32 inside its float64 model; its logits_f64 are 1.1e-6 from an exact float64 forward
+#   (make_fixtures.py, measured by patching those three to float64): 1e-5. float32 as above.
+TOL = {("gpt2-tiny", "float64"): 1e-12, ("llama-tiny", "float64"): 1e-5, ("gemma3-tiny", "float64"): 1e-5,
+       ("gpt2-tiny", "float32"): 1e-5, ("llama-tiny", "float32"): 1e-5, ("gemma3-tiny", "float32"): 1e-5}
 WRONG_MIN = 1e-2
 
 
@@ -46,7 +49,7 @@ def _logits(model, variables, tokens):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("source", ["gpt2-tiny", "llama-tiny", "llama-tiny.gguf"])
+@pytest.mark.parametrize("source", ["gpt2-tiny", "llama-tiny", "llama-tiny.gguf", "gemma3-tiny"])
 def test_logits_match_hf_transformers(source, dtype):
     name = source.removesuffix(".gguf")
     model, variables, _ = from_pretrained(FIXTURES / source, dtype=dtype)
@@ -86,6 +89,34 @@ def test_parity_has_power_wrong_conventions_are_far_off(change):
             for ln in names:
                 node[ln] = {"scale": node[ln]["scale"], "bias": jnp.zeros_like(node[ln]["scale"])}
     assert rel_err(_logits(wrong, {"params": params}, ref["inputs"]), ref["logits_f64"]) >= WRONG_MIN
+
+
+@pytest.mark.parametrize("change", [dict(sliding_window=5), dict(layer_types=("local", "global", "global")),
+                                    dict(rope_local_base=None), dict(query_pre_attn_scalar=None),
+                                    dict(rope_style="interleaved"), dict(norm_type="rmsnorm")])
+def test_gemma3_parity_has_power(change):
+    """Gemma 3's conventions, each changed alone, move the logits far from HF's (the window, which
+    layers are local, the local rope base, the attention scale, the rope pairing, 1 + w norms)."""
+    model, variables, _ = from_pretrained(FIXTURES / "gemma3-tiny", dtype="float64")
+    ref = _reference("gemma3-tiny")
+    assert rel_err(_logits(model, variables, ref["inputs"]), ref["logits_f64"]) <= TOL["gemma3-tiny", "float64"]
+    wrong = linicl.Transformer(model.cfg.replace(**change))
+    params = dict(variables["params"])
+    if "layer_types" in change:  # layer 1 global: it has no window gate
+        params["layers_1"] = {**params["layers_1"], "attn": {
+            k: v for k, v in params["layers_1"]["attn"].items() if k != "gate"}}
+    assert rel_err(_logits(wrong, {"params": params}, ref["inputs"]), ref["logits_f64"]) >= WRONG_MIN
+
+
+def test_gemma3_config():
+    model, variables, tok = from_pretrained(FIXTURES / "gemma3-tiny")
+    cfg = model.cfg
+    assert (cfg.layer_types, cfg.sliding_window, cfg.rope_base, cfg.rope_local_base) == (
+        ("local", "local", "global"), 4, 1e6, 1e4)
+    assert (cfg.head_dim, cfg.query_pre_attn_scalar, cfg.norm, cfg.norm_type, cfg.qk_norm, cfg.scale_embeddings) == (
+        24, 20.0, "sandwich", "gemma_rmsnorm", True, True)
+    assert tok is None and cfg.tie_embeddings
+    np.testing.assert_array_equal(variables["params"]["layers_0"]["attn"]["gate"], 0.0)  # no file holds it
 
 
 def test_loaded_configs():

@@ -232,8 +232,24 @@ def _softmax_head(cfg, q, k, v, qpos, kpos, approx=None):
     return y
 
 
-def _attention(cfg, p, x, pos, rec, approx=None):
-    """Multi-head attention of ``x: [B, T, D]`` at ``pos: [T]`` -> ``[B, T, D]``."""
+def _local_head(cfg, q, k, v, pos):
+    """A local layer's head: softmax over the keys s with 0 <= t - s < sliding_window, q and k rotated
+    at the local rope base (``rope_local_base``, else ``rope_base``) when the model has rope."""
+    if cfg.positions == "rope":
+        base = cfg.rope_base if cfg.rope_local_base is None else cfg.rope_local_base
+        q, k = (_rope(a, pos, base, cfg.rope_style) for a in (q, k))
+    d = q.shape[1]
+    y = np.zeros((q.shape[0], v.shape[1]))
+    for t in range(q.shape[0]):
+        vis = [s for s in range(k.shape[0]) if 0 <= pos[t] - pos[s] < cfg.sliding_window]
+        e = np.exp(np.array([float(q[t] @ k[s]) / math.sqrt(d) for s in vis]))
+        y[t] = (e[:, None] * v[vis]).sum(0) / e.sum()
+    return y
+
+
+def _attention(cfg, p, x, pos, rec, approx=None, local=False):
+    """Multi-head attention of ``x: [B, T, D]`` at ``pos: [T]`` -> ``[B, T, D]`` (``local``: a
+    sliding-window layer of ``cfg.layer_types``)."""
     H, bias = cfg.n_heads, _bias(cfg, "attn")
     d = cfg.d_model // cfg.n_heads if cfg.d_head is None else cfg.d_head
     q = np.einsum("btm,mhd->bthd", x, p["q"]["kernel"]) + (p["q"]["bias"] if bias else 0)
@@ -248,6 +264,9 @@ def _attention(cfg, p, x, pos, rec, approx=None):
     for b in range(x.shape[0]):
         for h in range(H):
             qh, kh, vh = q[b, :, h], k[b, :, _kv_head(cfg, h)], v[b, :, _kv_head(cfg, h)]
+            if local:
+                out[b, :, h] = _local_head(cfg, qh, kh, vh, pos)
+                continue
             if cfg.attention == "linear":
                 out[b, :, h] = _linear_head(cfg, p, h, qh, kh, vh, pos, rec)
                 continue
@@ -264,9 +283,9 @@ def _attention(cfg, p, x, pos, rec, approx=None):
     return o + (p["o"]["bias"] if bias else 0)
 
 
-def _block(cfg, p, x, pos, rec, approx=None):
+def _block(cfg, p, x, pos, rec, approx=None, local=False):
     """The block forms of ``linicl.nn.block`` (N1 = ln1, N2 = ln2, A attention)."""
-    A = lambda u: _attention(cfg, p["attn"], u, pos, rec, approx)  # noqa: E731
+    A = lambda u: _attention(cfg, p["attn"], u, pos, rec, approx, local)  # noqa: E731
     M = lambda u: _mlp(cfg, p["mlp"], u)  # noqa: E731
     if cfg.norm == "pre":
         h = x + A(_norm(cfg, p["ln1"], x))
@@ -298,7 +317,8 @@ def np_forward(cfg, params, toks, start: int = 0, approx=None):
     records = []
     for l in range(cfg.n_layers):
         rec = []
-        x = _block(cfg, params[f"layers_{l}"], x, pos, rec, None if approx is None else approx[l])
+        local = cfg.layer_types is not None and cfg.layer_types[l] == "local"
+        x = _block(cfg, params[f"layers_{l}"], x, pos, rec, None if approx is None else approx[l], local)
         records.append(rec)
     final_norm = cfg.norm in ("pre", "sandwich") if cfg.final_norm is None else cfg.final_norm
     if final_norm:
@@ -393,11 +413,12 @@ LINEAR = {
                                               positions="rope", rope_on="inputs"),
     "elu+1/window2/sinks2/chunked": cfg_(window=2, sinks=2, form="chunked", chunk_size=3,
                                          decay=(0.9, 0.7)),
-    "hedgehog/window3/gemma-like": cfg_(feature_map="hedgehog", window=3, sinks=1, positions="rope",
-                                        rope_on="inputs", rope_style="half", n_kv_heads=1, d_head=5,
-                                        norm="sandwich", norm_type="gemma_rmsnorm", qk_norm=True,
-                                        scale_embeddings=True, query_pre_attn_scalar=7.0, mlp="gated",
-                                        use_bias=False),
+    "hedgehog/window3/gemma-like/local": cfg_(feature_map="hedgehog", window=3, sinks=1, positions="rope",
+                                              rope_on="inputs", rope_style="half", n_kv_heads=1, d_head=5,
+                                              norm="sandwich", norm_type="gemma_rmsnorm", qk_norm=True,
+                                              scale_embeddings=True, query_pre_attn_scalar=7.0, mlp="gated",
+                                              use_bias=False, layer_types=("local", "global"), sliding_window=2,
+                                              rope_local_base=100.0),
 }
 SOFTMAX = {
     "gpt2-like/learned": cfg_(attention="softmax", positions="learned"),
@@ -407,11 +428,11 @@ SOFTMAX = {
                                                  norm_type="rmsnorm", mlp="gated", activation="silu",
                                                  use_bias=False, tie_embeddings=False),
     "non-causal/post": cfg_(attention="softmax", causal=False, norm="post"),
-    "gemma-like/sandwich/qk-norm/d_head/scale": cfg_(attention="softmax", positions="rope", rope_style="half",
-                                                     n_heads=4, d_model=16, n_kv_heads=2, d_head=6,
-                                                     norm="sandwich", norm_type="gemma_rmsnorm", qk_norm=True,
-                                                     scale_embeddings=True, query_pre_attn_scalar=5.0,
-                                                     mlp="gated", activation="gelu_tanh", use_bias=False),
+    "gemma-like/sandwich/qk-norm/d_head/scale/local": cfg_(
+        attention="softmax", positions="rope", rope_style="half", n_heads=4, d_model=16, n_kv_heads=2, d_head=6,
+        norm="sandwich", norm_type="gemma_rmsnorm", qk_norm=True, scale_embeddings=True,
+        query_pre_attn_scalar=5.0, mlp="gated", activation="gelu_tanh", use_bias=False, n_layers=3,
+        layer_types=("local", "local", "global"), sliding_window=3, rope_base=1e6, rope_local_base=1e4),
     "no-norm-dherin/depth3/relu/attn-bias-only": cfg_(attention="softmax", norm="none", skip="dherin",
                                                       mlp_depth=3, activation="relu", use_bias=True,
                                                       mlp_bias=False),
@@ -456,14 +477,17 @@ def test_the_reference_has_power():
 
 def test_the_reference_tells_gemma_options_apart():
     """Each of Gemma's options changes the reference: without the post norms (pre), with RMSNorm's w
-    for Gemma's 1 + w, without q/k norms, unscaled embeddings or the default attention scale."""
-    cfg = SOFTMAX["gemma-like/sandwich/qk-norm/d_head/scale"]
+    for Gemma's 1 + w, without q/k norms, unscaled embeddings or the default attention scale, another
+    sliding window, one rope base for every layer, or another layer pattern."""
+    cfg = SOFTMAX["gemma-like/sandwich/qk-norm/d_head/scale/local"]
     model, variables, params, apply = model_of(cfg)
     x = tokens(3, 1, 8, cfg.vocab_size)
     out = apply(variables, x)
     assert _err(out, np_forward(cfg, params, x)[0]) <= EXACT_RTOL
     for other in (cfg.replace(norm="pre"), cfg.replace(norm_type="rmsnorm"), cfg.replace(qk_norm=False),
-                  cfg.replace(scale_embeddings=False), cfg.replace(query_pre_attn_scalar=None)):
+                  cfg.replace(scale_embeddings=False), cfg.replace(query_pre_attn_scalar=None),
+                  cfg.replace(sliding_window=4), cfg.replace(rope_local_base=None),
+                  cfg.replace(layer_types=("local", "global", "global"))):
         assert _err(out, np_forward(other, params, x)[0]) >= BASELINE_MIN, other.describe()
 
 
