@@ -60,7 +60,7 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 # Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
-                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle")
+                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len")
 RULE_NAMES = {"recall": "cache", "attention": "attcache"}  # method-name part of each cache rule
 EQUAL = "equal"  # --windows: the window whose KV cache matches the student's state
 
@@ -93,6 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", default=None,
                    help="evaluate only these methods (names as in the tables; default all)")
     p.add_argument("--loss-seqs", type=reporting.positive_int, default=4)
+    p.add_argument("--loss-len", type=reporting.positive_int, default=None,
+                   help="tokens per held-out loss sequence (default: the longest --lengths)")
     p.add_argument("--batch-size", type=reporting.positive_int, default=4)
     p.add_argument("--convert-check", type=reporting.nonnegative_int, default=None, metavar="N",
                    help="convert the first N prompts of each cell and check converted = prompted (default: every "
@@ -276,8 +278,8 @@ def shot_prompts(task_name: str, k: int, tok, args) -> list:
 
 
 def loss_rows(tok, filler, args) -> np.ndarray:
-    """``--loss-seqs`` windows of the filler stream, each of the longest length."""
-    T = max(args.lengths)
+    """``--loss-seqs`` windows of the filler stream, each ``--loss-len`` (default the longest length) long."""
+    T = args.loss_len or max(args.lengths)
     starts = np.random.default_rng([args.seed, 7]).integers(0, len(filler) - T, args.loss_seqs)
     return np.stack([filler[s:s + T] for s in starts])
 
@@ -342,7 +344,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     teacher, tv, tok, student, sv = load_models(args)
-    filler = lc.filler_stream(tok, seed=args.seed, min_tokens=max(args.lengths) + 1, data_dir=args.data_dir)
+    longest = max(args.lengths + [args.loss_len or 0])
+    filler = lc.filler_stream(tok, seed=args.seed, min_tokens=longest + 1, data_dir=args.data_dir)
     ms = methods(teacher, tv, student, sv, args)
     prog = reporting.Progress(os.path.join(args.out, "progress.json"),
                               reporting.fingerprint(vars(args), ignore=PROGRESS_IGNORES), args.resume)

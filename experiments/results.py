@@ -154,8 +154,9 @@ EXPERIMENTS = {
     "long_context": dict(
         title="Long prompts: passkey, key-value recall and many-shot ICL on SmolLM2 (finite states vs windows)",
         cmd=["experiments/long_context.py", "--resume"], quick=["--quick"],
-        full=["--lengths", "512", "1024", "2048", "--n", "14", "--probes", "passkey", "shots", "--caches", "64",
-              "--convert-check", "2"],
+        full=["--lengths", "512", "1024", "2048", "4096", "--n", "14", "--probes", "passkey", "kv", "shots", "loss",
+              "--caches", "64", "--cache-rules", "recall", "attention", "--window-caches", "64", "--oracle",
+              "--loss-len", "2048", "--convert-check", "2"],
         json="long_context.json", plots=["long_context.png"],
         reference="LoLA (arXiv 2505.23666): a sparse cache lifts passkey at 4K from 0.6 % to 97.4 % on a "
                   "linearized Llama-3-8B with no training; a 2026 study (arXiv 2608.28444): window 64 + 4 sinks "

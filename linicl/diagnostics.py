@@ -52,6 +52,10 @@ def _check(cfg: ModelConfig) -> None:
     if cfg.gate != "none":  # the decays here are fixed per head; a gate's are computed from each token
         raise LiniclError(f"normalisers: gate={cfg.gate!r} is not supported (the normaliser is rebuilt "
                           f"with fixed decays only); use a model with gate='none'")
+    if cfg.qk_norm or cfg.query_pre_attn_scalar is not None or cfg.has_local_layers:
+        raise LiniclError("normalisers: qk_norm, query_pre_attn_scalar and local layers are not supported "
+                          "(the normaliser is rebuilt from hook_q / hook_k, read before the q/k norms and "
+                          "the query scale, with one layer config)")
 
 
 def _decay(cfg: ModelConfig, T: int, dtype):

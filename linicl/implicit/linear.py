@@ -23,7 +23,20 @@ from linicl.config import ModelConfig
 from linicl.errors import NotExactError
 from linicl.implicit.blocks import alone
 from linicl.kernels import feature_maps
+from linicl.names import PARAMS
 from linicl.nn.attention import l2_normalize
+from linicl.nn.norms import make_norm
+
+
+def _as_read(cfg: ModelConfig, block_params, which: str, x) -> jax.Array:
+    """The projection site ``hook_q`` / ``hook_k`` as the layer reads it: after the q/k norm
+    (``qk_norm``) and, for queries, the scale sqrt(d_head / query_pre_attn_scalar)."""
+    if cfg.qk_norm:
+        name = f"{which}_norm"
+        x = make_norm(cfg, name).apply({PARAMS: block_params["attn"][name]}, x)
+    if which == "q" and cfg.query_pre_attn_scalar is not None:
+        x = x * jnp.asarray(cfg.query_scale, x.dtype)
+    return x
 
 
 def context_term(cfg: ModelConfig, block_params, S, x) -> jax.Array:
@@ -41,10 +54,10 @@ def context_term(cfg: ModelConfig, block_params, S, x) -> jax.Array:
     # The state is re-based so that the query sits at position 0, where rope is the identity.
     ref = alone(cfg, block_params, x)
     phi = feature_maps.get(cfg.feature_map)
-    fq = phi(ref["hook_q"])                                          # [heads, d_phi], before rope
+    fq = phi(_as_read(cfg, block_params, "q", ref["hook_q"]))        # [heads, d_phi], before rope
     if cfg.update == "delta":
         # Keys repeated to the query heads (grouped-query attention), as the layer does.
-        fk = phi(jnp.repeat(ref["hook_k"], cfg.n_heads // cfg.kv_heads, axis=0))
+        fk = phi(jnp.repeat(_as_read(cfg, block_params, "k", ref["hook_k"]), cfg.n_heads // cfg.kv_heads, axis=0))
         fq, fk = l2_normalize(fq, cfg.attn_eps), l2_normalize(fk, cfg.attn_eps)
         beta = jax.nn.sigmoid(ref["attn.beta_proj"])                  # [heads]
         fq = fq - (beta * jnp.sum(fq * fk, -1))[:, None] * fk         # (I - β k̂ k̂ᵀ) q̂
