@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 
 import linicl
 from linicl import data, iclca, linearize, reporting, stats
+from linicl import interventions as iv
 from linicl.compiled import enable_persistent_cache
 from linicl.data import long_context as lc
 from linicl.evaluate import evaluate_prompts, greedy_answers
@@ -213,6 +214,15 @@ def converted_check(model, variables, prompts, predictions, tok, max_new: int) -
     return dict(answers_equal=same, of=len(prompts), max_rel_err=max(errs))
 
 
+def scored_row(name, correct, predictions, prompts, t0: float) -> dict:
+    """A cell's record of one method: per-prompt correctness and answers, accuracy with its Wilson
+    interval, the time since ``t0`` and the prompts' length."""
+    correct = np.asarray(correct)
+    return dict(method=name, correct=correct.astype(int).tolist(), predictions=list(predictions),
+                accuracy=float(correct.mean()), wilson=list(stats.wilson(int(correct.sum()), len(correct))),
+                n=len(correct), eval_s=time.perf_counter() - t0, tokens=int(len(prompts[0])))
+
+
 def cell(name, model, variables, finite, prompts, tok, args, max_new: int, keyed: bool) -> dict:
     """One method on one cell's prompts: accuracy (``keyed``: by ``long_context.key_answered``, else
     exact match as ``linicl.evaluate`` scores), its state's floats, and the converted = prompted check."""
@@ -222,9 +232,7 @@ def cell(name, model, variables, finite, prompts, tok, args, max_new: int, keyed
     correct = res.correct
     if keyed:  # passkey / key-value: the answer's first number must be the key
         correct = np.asarray([lc.key_answered(a, p.label) for a, p in zip(res.predictions, prompts)])
-    row = dict(method=name, correct=correct.astype(int).tolist(), predictions=list(res.predictions),
-               accuracy=float(correct.mean()), wilson=list(stats.wilson(int(correct.sum()), res.n)), n=res.n,
-               eval_s=time.perf_counter() - t0, tokens=int(len(prompts[0])))
+    row = scored_row(name, correct, res.predictions, prompts, t0)
     if finite:
         row["state_floats"] = (window_floats(model) if model.cfg.feature_map == "none"
                                else iclca.state_floats(model.cfg))
@@ -248,8 +256,6 @@ def key_line(prompt) -> tuple:
 def oracle_cell(name, teacher, tv, prompts, tok, args, window: int, sinks: int) -> dict:
     """The teacher with every layer's attention limited to the sinks, the last ``window`` tokens and
     the key line (an ``hook_attn_scores`` edit per prompt): an upper bound for a cache of that line."""
-    from linicl import interventions as iv
-
     def keep(x, span, ctx):
         q_pos, k_pos = ctx["q_pos"][:, None], ctx["k_pos"][None, :]
         ok = (k_pos < sinks) | (q_pos - k_pos < window) | ((k_pos >= span[0]) & (k_pos < span[1]))
@@ -265,10 +271,7 @@ def oracle_cell(name, teacher, tv, prompts, tok, args, window: int, sinks: int) 
         predictions.append(res.predictions[0])
         correct.append(lc.key_answered(res.predictions[0], p.label))
         kept.append(span[1] - span[0])
-    correct = np.asarray(correct)
-    return dict(method=name, correct=correct.astype(int).tolist(), predictions=predictions,
-                accuracy=float(correct.mean()), wilson=list(stats.wilson(int(correct.sum()), len(prompts))),
-                n=len(prompts), eval_s=time.perf_counter() - t0, tokens=int(len(prompts[0])),
+    return dict(scored_row(name, correct, predictions, prompts, t0),
                 state_floats=kv_cache_floats(teacher.cfg, window - 1 + sinks + max(kept)))
 
 

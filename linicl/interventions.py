@@ -56,14 +56,10 @@ def site_names(cfg: ModelConfig) -> Tuple[str, ...]:
 
 
 def _traced_site_names(cfg: ModelConfig) -> Tuple[str, ...]:
-    traced = {}  # one trace per distinct layer config (local and global layers differ)
-    for l in range(cfg.n_layers):
-        one = cfg.single_layer(l)
-        if one not in traced:
-            traced[one] = _trace_one_layer(one)
-    outside, _, _ = traced[cfg.single_layer(0)]
-    first = traced[cfg.single_layer(0)][2]
-    blocks = [site_name((layer_scope(l),) + p) for l in range(cfg.n_layers) for p in traced[cfg.single_layer(l)][1]]
+    layers = [cfg.single_layer(l) for l in range(cfg.n_layers)]
+    traced = {one: _trace_one_layer(one) for one in set(layers)}  # local and global layers differ
+    outside, _, first = traced[layers[0]]
+    blocks = [site_name((layer_scope(l),) + p) for l, one in enumerate(layers) for p in traced[one][1]]
     return tuple(outside[:first] + blocks + outside[first:])
 
 

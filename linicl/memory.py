@@ -53,8 +53,7 @@ def kv_cache_floats(cfg: ModelConfig, n_tokens: int) -> int:
     value of ``head_dim`` for every layer and key-value head, ``2 * n_layers * kv_heads * head_dim *
     n_tokens`` (grouped-query heads share theirs); a local layer (``ModelConfig.layer_types``) needs
     only the last ``sliding_window - 1`` of them."""
-    per_token = 2 * cfg.kv_heads * cfg.head_dim
     n = int(n_tokens)
-    if not cfg.has_local_layers:
-        return cfg.n_layers * per_token * n
-    return sum(per_token * (min(n, cfg.sliding_window - 1) if t == "local" else n) for t in cfg.layer_types)
+    kinds = cfg.layer_types or ("global",) * cfg.n_layers
+    return 2 * cfg.kv_heads * cfg.head_dim * sum(min(n, cfg.sliding_window - 1) if kind == "local" else n
+                                                 for kind in kinds)

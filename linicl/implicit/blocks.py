@@ -27,9 +27,10 @@ _GATE_PROJECTIONS = ("gate_proj", "beta_proj")
 
 
 def check_block_form(cfg: ModelConfig, what: str) -> None:
-    """The theorem needs the MLP output added to the residual as it is: a sandwich block normalises it
-    first (N2'(MLP(g) + delta_b) != N2'(MLP(g)) + delta_b), so no rank-1 patch of the MLP reproduces
-    the context. Refused, never approximated."""
+    """Refuse what the block functions cannot serve, never approximate it: a model with local layers
+    (its blocks have two configs; one config describes one block) and sandwich blocks (the theorem
+    needs the MLP output added to the residual as it is, and N2'(MLP(g) + delta_b) != N2'(MLP(g)) +
+    delta_b, so no rank-1 patch of the MLP reproduces the context)."""
     if cfg.has_local_layers:
         raise LiniclError(f"{what}: a model with local layers (layer_types) has blocks of two configs; pass "
                           f"one block's own config (ModelConfig.layer_config(layer)) to the block functions, "

@@ -124,11 +124,12 @@ def _powers(gamma: Optional[jax.Array], age: jax.Array, valid: jax.Array, dtype)
     return jnp.where(valid, g ** jnp.where(valid, age, 0), 0)
 
 
-def _select(cache, cand, valid, score):
+def _select(cache, cand, valid, score_of):
     """One candidate meets the cache. ``cache``: (k, fk, fkd, v) ``f[batch, heads, C, .]`` and pos
     ``int32[batch, heads, C]``; ``cand``: (k, fk, fkd, v) ``f[batch, heads, .]`` and pos ``int32[]``;
-    ``valid``: ``bool[]`` (a real non-sink token); ``score``: ``f[batch, heads, C + 1]`` of the cached
-    tokens and the candidate (last). Returns the new cache, the token leaving for the linear state
+    ``valid``: ``bool[]`` (a real non-sink token); ``score_of(fk, fkd, v)``: the scores ``f[batch,
+    heads, C + 1]`` of the cached tokens and the candidate (last), from their features and values
+    ``[batch, heads, C + 1, .]``. Returns the new cache, the token leaving for the linear state
     ((fk, fkd, v) ``f[batch, heads, .]``, pos ``int32[batch, heads]``), where one leaves (``bool[batch,
     heads]``) and ``put``, the slot the candidate took (``bool[batch, heads, C]``)."""
     *slots, pos = cache
@@ -136,7 +137,7 @@ def _select(cache, cand, valid, score):
     c_pos = jnp.broadcast_to(cand[-1], (B, H))
     every = [jnp.concatenate([a, b[:, :, None]], 2) for a, b in zip(slots, cand[:-1])]  # [B, H, C+1, .]
     every_pos = jnp.concatenate([pos, c_pos[..., None]], -1)
-    score = jax.lax.stop_gradient(score)
+    score = jax.lax.stop_gradient(score_of(*every[1:]))
     # The lowest score leaves; of equal scores the oldest (positions are distinct).
     lowest = score == score.min(-1, keepdims=True)
     out = jnp.argmin(jnp.where(lowest, every_pos, jnp.iinfo(jnp.int32).max), -1)  # [B, H] in [0, C]
@@ -160,11 +161,10 @@ def _admit(S, z, cache, scores, cand, cand_score, valid, t, gamma, eps: float):
     B, H = S.shape[:2]
     if cache[-1].shape[-1]:
         if scores is None:
-            every = [jnp.concatenate([a, b[:, :, None]], 2) for a, b in zip(cache[1:4], cand[1:4])]
-            score = recall_error(*every, S, z, eps)
+            score_of = lambda fk, fkd, v: recall_error(fk, fkd, v, S, z, eps)  # noqa: E731
         else:
-            score = jnp.concatenate([scores, cand_score[..., None]], -1)
-        cache, (fk, fkd, v, pos), leaves, put = _select(cache, cand, valid, score)
+            score_of = lambda *_: jnp.concatenate([scores, cand_score[..., None]], -1)  # noqa: E731
+        cache, (fk, fkd, v, pos), leaves, put = _select(cache, cand, valid, score_of)
         if scores is not None:
             scores = jnp.where(put, cand_score[..., None], scores)
     else:  # no cache: the candidate itself (the hybrid)

@@ -390,7 +390,7 @@ def _window_gates(cfg: ModelConfig) -> dict:
     """Values for the parameters no checkpoint holds: a local layer's per-head window gate (it
     cancels between numerator and denominator, so 0 is as good as any)."""
     return {(f"layers_{l}", "attn", "gate"): np.zeros((cfg.n_heads,), np.float32)
-            for l in range(cfg.n_layers) if cfg.layer_config(l) is not cfg}
+            for l, kind in enumerate(cfg.layer_types or ()) if kind == "local"}
 
 
 def _gguf_llama(cfg: ModelConfig) -> dict:
@@ -503,22 +503,23 @@ def fill_params(cfg: ModelConfig, mapping: Mapping_, get: Callable[[str], np.nda
         if path not in want or tuple(value.shape) != want[path]:  # a bug of the maps, not of the file
             raise DataError(f"{file_of(file_name)}: tensor {file_name} gives {'/'.join(path)} of shape "
                             f"{tuple(value.shape)}; the model expects {want.get(path)}")
-        node = params
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = value
+        _put(params, path, value)
     for path, value in (defaults or {}).items():
         if path not in want or tuple(value.shape) != want[path]:
             raise DataError(f"{source}: default for {'/'.join(path)} of shape {value.shape}; the model "
                             f"expects {want.get(path)}")
-        node = params
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = value.astype(cfg.jnp_dtype)
+        _put(params, path, value.astype(cfg.jnp_dtype))
     unfilled = sorted("/".join(p) for p in want if not _has(params, p))
     if unfilled:
         raise DataError(f"{source}: no tensor for the parameters {unfilled}")
     return params
+
+
+def _put(tree: dict, path, value) -> None:
+    """``tree[path[0]]...[path[-1]] = value``, making the nodes on the way."""
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
 
 
 def _has(tree, path) -> bool:
