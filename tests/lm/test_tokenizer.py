@@ -295,7 +295,7 @@ def test_gguf_tokenizer_from_metadata():
 
 
 def test_gguf_tokenizer_errors(tmp_path):
-    with pytest.raises(LiniclError, match="unsupported GGUF tokenizer model 'llama'"):
+    with pytest.raises(LiniclError, match="for Gemma files only .* not for architecture None"):
         Tokenizer.from_gguf(_meta(**{"tokenizer.ggml.model": "llama"}))
     with pytest.raises(LiniclError, match="unsupported GGUF tokenizer model 'bert'"):
         Tokenizer.from_gguf(_meta(**{"tokenizer.ggml.model": "bert"}))
@@ -316,6 +316,53 @@ def test_gguf_tokenizer_errors(tmp_path):
         Tokenizer.from_gguf(tmp_path / "none.gguf")
     with pytest.raises(LiniclError, match="expects a path"):
         Tokenizer.from_gguf(42)
+
+
+_BYTES = [f"<0x{b:02X}>" for b in range(256)]
+
+
+def _gemma_meta(order=("bc", "ab")):
+    """A hand-made Gemma SentencePiece vocabulary: controls, 256 byte pieces, pieces in merge order,
+    a run of two spaces stored as spaces (user-defined) and a newline piece matched whole."""
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "\n", "  "] + _BYTES + [
+        "\u2581", "a", "b", "c", *order, "\u2581a"]
+    types = [3, 3, 3, 2, 3, 4, 4] + [6] * 256 + [1] * (len(pieces) - 263)
+    return {"general.architecture": "gemma3", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": pieces,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+            "tokenizer.ggml.add_bos_token": True}
+
+
+def test_gemma_sentencepiece_by_hand():
+    """Merges by the merged piece's position (power: swapping two pieces changes the answer), spaces
+    as the visible space with no prefix, space runs joining the merges, byte fallback, whole-matched
+    control and user-defined pieces, BOS by the file's flag, and decode as the inverse."""
+    tok = Tokenizer.from_gguf(_gemma_meta())
+    swapped = Tokenizer.from_gguf(_gemma_meta(order=("ab", "bc")))
+
+    def pieces(t, text):
+        return [t.id_to_token(i) for i in t.encode(text)]
+
+    assert pieces(tok, "abc") == ["a", "bc"] and pieces(swapped, "abc") == ["ab", "c"]
+    assert pieces(tok, "ab") == ["ab"] == pieces(swapped, "ab")
+    assert pieces(tok, " a") == ["\u2581a"] and pieces(tok, "a") == ["a"]   # no prefix space
+    assert pieces(tok, "a b") == ["a", "\u2581", "b"]                       # no piece for "▁b"
+    assert tok.encode("  ") == [6] and tok.id_to_token(6) == "\u2581\u2581"  # the stored space run
+    assert tok.encode("a\nb") == [tok.token_to_id("a"), 5, tok.token_to_id("b")]
+    assert tok.encode("<start_of_turn>a") == [4, tok.token_to_id("a")]
+    assert pieces(tok, "\u00e9") == ["<0xC3>", "<0xA9>"]                    # byte fallback
+    assert tok.adds_bos and (tok.bos_id, tok.eos_id) == (2, 1)
+    for text in ("abc a  b\nc", "\u00e9t\u00e9 a", "<start_of_turn>ab", "  a   "):
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_gemma_sentencepiece_errors():
+    meta = _gemma_meta()
+    with pytest.raises(LiniclError, match="has '<unk>'"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.tokens": ["<pad>"] + meta["tokenizer.ggml.tokens"][4:] + ["x", "y", "z"]})
+    both = list(meta["tokenizer.ggml.tokens"])
+    both[-1] = "\u2581\u2581"  # the run of two spaces twice: as "  " and as "▁▁"
+    with pytest.raises(LiniclError, match="both with spaces and with"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.tokens": both})
 
 
 def test_encode_decode_argument_errors():
