@@ -703,7 +703,7 @@ def parse_args(argv=None):
     reporting.add_common_args(
         p, out="results/approx_conversion", seed="queries, demos, random features, synthetic prompts", data_dir=True,
         quick=f"CI: tasks {' '.join(QUICK_TASKS)}, 4 queries, k 1, 4 synthetic pairs of 16 + 4 tokens")
-    p.add_argument("--model", default=None, help="checkpoint (HF GPT-2/Llama directory or .gguf); default SmolLM2")
+    p.add_argument("--model", default=None, help="smollm2, gemma3, or a checkpoint (HF directory or .gguf); default smollm2")
     p.add_argument("--tasks", nargs="+", default=None, help=f"task names (default {' '.join(DEFAULT_TASKS)})")
     p.add_argument("--k", nargs="+", type=int, default=None, help="demonstrations (default 1 4 8)")
     p.add_argument("--n-eval", type=int, default=None, help="test queries per task (default 32)")

@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     parser = reporting.argument_parser(__doc__)
     reporting.add_common_args(parser, out="results/icl_baselines", data_dir=True,
                               quick=f"CI: tasks {' '.join(QUICK_TASKS)}, 8 queries, k 0 1")
-    parser.add_argument("--model", default=None, help="checkpoint (HF directory or .gguf); default SmolLM2")
+    parser.add_argument("--model", default=None, help="smollm2, gemma3, or a checkpoint (HF directory or .gguf); default smollm2")
     parser.add_argument("--tasks", nargs="+", default=None, help="task names (default: every shared task)")
     parser.add_argument("--k", nargs="+", type=nonnegative_int, default=None,
                         help="demonstrations per prompt (default 0 1 4 8)")

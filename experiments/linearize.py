@@ -62,7 +62,7 @@ def parse_args(argv=None):
     reporting.add_common_args(p, out="results/linearize", quick="a tiny fixture model, a few steps (CI)",
                               seed="seeds the training text, batches and evaluation queries", data_dir=True,
                               plots=True)
-    p.add_argument("--model", default=None, help="teacher checkpoint (default SmolLM2; --quick: a tiny fixture)")
+    p.add_argument("--model", default=None, help="teacher: smollm2, gemma3 or a checkpoint (default smollm2; --quick: a tiny fixture)")
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--feature-size", type=int, default=0, help="hedgehog m (0: d_head)")
@@ -137,11 +137,18 @@ def check_tasks(tok, args) -> None:
                                   f"which this tokenizer cannot score: {e}") from None
 
 
+def row_bos(tok, args):
+    """The id every training and held-out row starts with: BOS when ``--bos`` (auto: the tokenizer's
+    convention; Gemma yes, SmolLM2 no) says so, else None."""
+    add = tok.adds_bos if BOS_FLAG[args.bos] is None else BOS_FLAG[args.bos]
+    return tok.bos_id if add else None
+
+
 def train_text(teacher, tv, tok, args):
     """Few-shot text from the training splits, plus ``--sampled-seqs`` rows sampled from the teacher."""
     seqs = linearize.training_sequences(tok, TRAIN_TASKS if not args.quick else ("antonym", "sst2"),
                                         n=args.train_seqs, length=args.seq_len, seed=args.seed,
-                                        data_dir=args.data_dir)
+                                        data_dir=args.data_dir, bos=row_bos(tok, args))
     if not args.sampled_seqs:
         return seqs
     rows = np.random.default_rng([args.seed, 17]).integers(0, len(seqs), args.sampled_seqs)
@@ -195,7 +202,8 @@ def stage2(teacher, tv, student, sv, args, s1: dict, seqs):
 def held_out(teacher, tv, student, sv, tok, args, stage1_sv=None) -> dict:
     """Next-token loss of held-out text; ``stage1_sv``: the student before stage 2 (a row of its own)."""
     seqs = linearize.training_sequences(tok, args.tasks, n=args.eval_seqs, length=args.eval_len,
-                                        seed=args.seed + 1, split="test", data_dir=args.data_dir)
+                                        seed=args.seed + 1, split="test", data_dir=args.data_dir,
+                                        bos=row_bos(tok, args))
     out = {"softmax": linearize.next_token_loss(teacher, tv, seqs, batch_size=2),
            "student": linearize.next_token_loss(student, sv, seqs, batch_size=2)}
     if stage1_sv is not None:

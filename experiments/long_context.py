@@ -71,7 +71,7 @@ def parse_args(argv=None):
     reporting.add_common_args(p, out="results/long_context", quick="tiny fixture model, one length, 2 prompts a cell",
                               seed="seeds the prompts (keys, depths, filler, demonstrations)", data_dir=True,
                               plots=True)
-    p.add_argument("--model", default=None, help="teacher: HF directory or .gguf (default SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="teacher: smollm2, gemma3, an HF directory or .gguf (default smollm2)")
     p.add_argument("--maps", default=None, help="student maps (default: the shipped SmolLM2 maps)")
     p.add_argument("--lengths", nargs="+", type=reporting.positive_int, default=[512, 1024, 2048, 4096],
                    help="prompt lengths in tokens")

@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p = reporting.argument_parser(__doc__)
     reporting.add_common_args(p, out="results/routing", quick="tiny sizes for CI", data_dir=True,
                               seed="queries, demos, PID prompts, router init, random basis")
-    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint path (HF dir or .gguf)")
+    p.add_argument("--model", default="smollm2", help="'smollm2', 'gemma3' or a checkpoint path (HF dir or .gguf)")
     p.add_argument("--id-tasks", default=",".join(ID_TASKS))
     p.add_argument("--ood-tasks", default=",".join(OOD_TASKS))
     p.add_argument("--rank", type=positive_int, default=8)
@@ -99,11 +99,12 @@ def parse_args(argv=None):
 
 
 def load_model(name: str):
-    """``(model, variables, tokenizer)``: SmolLM2 with a 1024-token context, or the checkpoint ``name`` as
-    it is."""
+    """``(model, variables, tokenizer)``: a packaged model ("smollm2", "gemma3") with a 1024-token
+    context, or the checkpoint ``name`` as it is."""
     import linicl.lm
-    smollm2 = name == "smollm2"
-    _, model, variables, tokenizer = linicl.lm.load(None if smollm2 else name, max_len=1024 if smollm2 else None)
+    import linicl.names
+    packaged = name in linicl.names.PRETRAINED
+    _, model, variables, tokenizer = linicl.lm.load(name, max_len=1024 if packaged else None)
     return model, variables, tokenizer
 
 

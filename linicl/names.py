@@ -51,6 +51,9 @@ LEARNED_FEATURE_MAPS = ("hedgehog",)
 # sinks and nothing else, the untrained baseline of a linearized model (linearize.window_config).
 NO_LINEAR_PART = "none"
 ALL_FEATURE_MAPS = FEATURE_MAPS + LEARNED_FEATURE_MAPS + (NO_LINEAR_PART,)
+# The pretrained checkpoints that ship as packages, by the name experiments accept for --model
+# (``linicl.lm.load("gemma3")``); the first is the default.
+PRETRAINED = ("smollm2", "gemma3")
 # Where rotary positions act in linear attention: on the features phi(q), phi(k) of the numerator
 # (relative; the state is re-based), or on q, k before phi (absolute; the offset is kept).
 ROPE_ON = ("features", "inputs")

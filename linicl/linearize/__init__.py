@@ -23,11 +23,11 @@ from linicl.linearize import lora
 from linicl.linearize.distill import DistillHistory, kl_to_teacher, train_lora
 from linicl.linearize.maps import SMOLLM2_MAPS, load_maps, save_maps, smollm2
 from linicl.linearize.quality import next_token_loss
-from linicl.linearize.student import merge, split, student_config, student_variables, window_config
+from linicl.linearize.student import merge, split, student_config, student_variables, trained_layers, window_config
 from linicl.linearize.text import retrieval_sequences, sampled_sequences, training_sequences
 from linicl.linearize.transfer import History, maps_from_checkpoint, teacher_targets, train_maps
 
-__all__ = ["student_config", "window_config", "student_variables", "split", "merge", "training_sequences",
+__all__ = ["student_config", "window_config", "student_variables", "trained_layers", "split", "merge", "training_sequences",
            "retrieval_sequences", "sampled_sequences",
            "teacher_targets", "train_maps", "maps_from_checkpoint", "History", "lora", "train_lora", "kl_to_teacher",
            "DistillHistory", "next_token_loss", "save_maps", "load_maps", "smollm2", "SMOLLM2_MAPS"]

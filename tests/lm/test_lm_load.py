@@ -47,6 +47,19 @@ def test_default_source_is_smollm2(monkeypatch):
     assert linicl.lm.adds_bos(None) is False
 
 
+def test_packaged_checkpoints_by_name(monkeypatch, tmp_path):
+    """"smollm2" and "gemma3" name their packages' files (here stood in for by the tiny fixtures); a
+    directory of that name is reached as a path."""
+    monkeypatch.setenv("LINICL_SMOLLM2_GGUF", str(GGUF))
+    monkeypatch.setenv("LINICL_GEMMA3_GGUF", str(FIXTURES / "gemma3-tiny.gguf"))
+    assert linicl.lm.load("smollm2").source == GGUF
+    gemma = linicl.lm.load("gemma3", max_len=64)
+    assert gemma.source == FIXTURES / "gemma3-tiny.gguf" and gemma.model.cfg.layer_types == ("local", "local", "global")
+    shutil.copytree(GPT2, tmp_path / "gemma3")
+    monkeypatch.chdir(tmp_path)
+    assert linicl.lm.load("./gemma3").model.cfg.positions == "learned"
+
+
 def test_require_tokenizer_and_missing_checkpoints(tmp_path):
     with pytest.raises(DataError, match="no tokenizer"):
         linicl.lm.load(LLAMA, require_tokenizer=True)
