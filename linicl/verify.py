@@ -39,6 +39,10 @@ F64_TOL = 1e-12   # exact identity: rounding only (see tests/helpers.py)
 F32_TOL = 1e-4    # float32 rounding over a few hundred summed terms per state
 
 _BASE = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_len=4096)
+_GEMMA = dict(n_layers=3, layer_types=("local", "global", "local"), sliding_window=8, rope_local_base=1e4,
+              rope_base=1e6, positions="rope", rope_on="inputs", rope_style="half", n_kv_heads=2, d_head=24,
+              qk_norm=True, norm="sandwich", norm_type="gemma_rmsnorm", scale_embeddings=True,
+              query_pre_attn_scalar=20.0, mlp="gated", activation="gelu_tanh", use_bias=False)
 
 
 def zoo() -> dict[str, ModelConfig]:
@@ -80,6 +84,13 @@ def zoo() -> dict[str, ModelConfig]:
         "gla-vector-rope-inputs": dict(gate="vector", positions="rope", rope_on="inputs"),
         "gated-delta-rope-chunked": dict(update="delta", gate="scalar", normalize=False, positions="rope",
                                          form="chunked", chunk_size=32),
+        # Gemma 3 style: local sliding-window softmax layers (exact, window 8 < the prompt) around a
+        # linear global layer, with Gemma's q/k norms, sandwich (1 + w) norms, separate head size and
+        # attention scale, scaled embeddings, two rope bases; the global layer a hedgehog hybrid (the
+        # linearized Gemma), a scalar-gated one, or a gated delta rule.
+        "gemma-local8-hedgehog-window16": dict(_GEMMA, feature_map="hedgehog", window=16, sinks=4),
+        "gemma-local8-scalar-gate": dict(_GEMMA, gate="scalar"),
+        "gemma-local8-gated-delta": dict(_GEMMA, update="delta", gate="scalar", normalize=False),
         "softmax-learned": dict(attention="softmax", positions="learned"),
         "softmax-rope": dict(attention="softmax", positions="rope", norm="post"),
     }

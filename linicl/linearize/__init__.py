@@ -15,13 +15,13 @@ language.
   trained so that the whole student's next-token distribution matches the teacher's (KL), merged
   into the kernels: the student stays a finite-state zoo model.
 * ``quality``: next-token loss by position bucket, to compare the student with its teacher.
-* ``maps``: save and load the trained maps (one safetensors file plus its settings); ``smollm2()``:
-  linearized SmolLM2-135M-Instruct with the maps shipped in the package.
+* ``maps``: save and load the trained maps (one safetensors file plus its settings); ``smollm2()``,
+  ``gemma3()``: linearized SmolLM2-135M-Instruct and Gemma 3 270M with the maps shipped in the package.
 """
 
 from linicl.linearize import lora
 from linicl.linearize.distill import DistillHistory, kl_to_teacher, train_lora
-from linicl.linearize.maps import SMOLLM2_MAPS, load_maps, save_maps, smollm2
+from linicl.linearize.maps import GEMMA3_MAPS, SMOLLM2_MAPS, gemma3, load_maps, save_maps, smollm2
 from linicl.linearize.quality import next_token_loss
 from linicl.linearize.student import merge, split, student_config, student_variables, trained_layers, window_config
 from linicl.linearize.text import retrieval_sequences, sampled_sequences, training_sequences
@@ -30,4 +30,4 @@ from linicl.linearize.transfer import History, maps_from_checkpoint, teacher_tar
 __all__ = ["student_config", "window_config", "student_variables", "trained_layers", "split", "merge", "training_sequences",
            "retrieval_sequences", "sampled_sequences",
            "teacher_targets", "train_maps", "maps_from_checkpoint", "History", "lora", "train_lora", "kl_to_teacher",
-           "DistillHistory", "next_token_loss", "save_maps", "load_maps", "smollm2", "SMOLLM2_MAPS"]
+           "DistillHistory", "next_token_loss", "save_maps", "load_maps", "smollm2", "SMOLLM2_MAPS", "gemma3", "GEMMA3_MAPS"]

@@ -79,8 +79,24 @@ def load_maps(path, teacher, teacher_variables: Mapping, *, dtype: Optional[str]
     return student, {**variables, PARAMS: params if correction is None else L.apply(params, correction)}, meta
 
 
-# The maps trained on SmolLM2-135M-Instruct by experiments/linearize.py, shipped with the package.
-SMOLLM2_MAPS = Path(__file__).parent / "artifacts" / "smollm2_maps.safetensors"
+# The maps trained by experiments/linearize.py on each packaged teacher, shipped with the package.
+ARTIFACTS = Path(__file__).parent / "artifacts"
+SMOLLM2_MAPS = ARTIFACTS / "smollm2_maps.safetensors"
+GEMMA3_MAPS = ARTIFACTS / "gemma3_maps.safetensors"
+
+
+def _packaged(name: str, maps: Path, teacher_kw: dict, cache: int, cache_rule: str):
+    """A packaged teacher (``linicl.lm.load(name)``) with its shipped maps, read with a sparse cache
+    of ``cache`` exact tokens if asked."""
+    from linicl.lm import load
+    if not maps.is_file():
+        raise DataError(f"no shipped maps at {maps}; train them with `python experiments/linearize.py "
+                        f"--model {name}` and copy OUT/maps.safetensors there")
+    _, teacher, variables, tokenizer = load(name, **teacher_kw)
+    student, student_vars, _ = load_maps(maps, teacher, variables)
+    if cache or cache_rule != "recall":  # a rule without a cache is refused by the config, not ignored
+        student = type(student)(student.cfg.replace(cache=cache, cache_rule=cache_rule))
+    return student, student_vars, tokenizer
 
 
 def smollm2(*, max_len: int = 2048, dtype: str = "float32", cache: int = 0, cache_rule: str = "recall"):
@@ -89,12 +105,13 @@ def smollm2(*, max_len: int = 2048, dtype: str = "float32", cache: int = 0, cach
     ``python experiments/linearize.py`` and copy ``OUT/maps.safetensors`` there). Its prompts
     convert into weights exactly (``linicl.iclca.convert``). ``cache``: read the same maps with a
     sparse cache of that many exact tokens (``ModelConfig.cache``; 0: none), chosen by ``cache_rule``."""
-    from linicl.lm import smollm2 as softmax_smollm2
-    if not SMOLLM2_MAPS.is_file():
-        raise DataError(f"no shipped maps at {SMOLLM2_MAPS}; train them with `python experiments/linearize.py` "
-                        f"and copy OUT/maps.safetensors there")
-    teacher, variables, tokenizer = softmax_smollm2(max_len=max_len, dtype=dtype)
-    student, student_vars, _ = load_maps(SMOLLM2_MAPS, teacher, variables)
-    if cache or cache_rule != "recall":  # a rule without a cache is refused by the config, not ignored
-        student = type(student)(student.cfg.replace(cache=cache, cache_rule=cache_rule))
-    return student, student_vars, tokenizer
+    return _packaged("smollm2", SMOLLM2_MAPS, dict(max_len=max_len, dtype=dtype), cache, cache_rule)
+
+
+def gemma3(*, max_len: int = 8192, dtype: str = "float32", cache: int = 0, cache_rule: str = "recall"):
+    """``(model, variables, tokenizer)`` of linearized Gemma 3 270M: the teacher of ``linicl.lm.gemma3``
+    with the shipped maps (``GEMMA3_MAPS``; ``python experiments/linearize.py --model gemma3``) on its 3
+    global layers; its 15 local layers stay the exact 512-key sliding windows, so every layer is a
+    finite state and its prompts convert into weights exactly. ``cache``, ``cache_rule``: as
+    ``smollm2``'s (on the global layers)."""
+    return _packaged("gemma3", GEMMA3_MAPS, dict(max_len=max_len, dtype=dtype), cache, cache_rule)
