@@ -12,6 +12,9 @@
    in fresh processes, forward tokens/s at the same shapes, greedy decode tokens/s with the KV cache
    (``linicl.generate``), and, when PyTorch is available, the same float32 weights written out as an HF
    Llama checkpoint and run by ``LlamaForCausalLM`` (logit agreement and eager tokens/s).
+3. Gemma 3 270M (``linicl.lm.gemma3``, Q4_K_M GGUF dequantised to float32): in-process load time and
+   the forward at 1 x 512 and 4 x 512 against its matmul peer (linicl only: the PyTorch worker runs
+   Llama checkpoints; ``--no-gemma3`` skips the part).
 
 The machine is shared, so the two sides are measured in alternating rounds (PyTorch, then JAX, shape by
 shape, ``--rounds`` times) and every reported time is a median: of ``--repeats`` calls after a warm-up
@@ -598,6 +601,40 @@ def bench_smollm2(side, args, tmp: Path) -> dict:
     return out
 
 
+GEMMA3_SHAPES = [(1, 512), (4, 512)]
+
+
+def bench_gemma3(side, args) -> dict:
+    """Gemma 3 270M (``linicl.lm.gemma3``): in-process load time and the forward at its own shapes
+    (1 x 512, 4 x 512; with --quick the quick shapes) against its matmul peer, the same products on
+    the same shapes (the 262,144-entry unembedding included). No PyTorch side: the worker runs HF
+    Llama checkpoints only."""
+    import jax
+
+    import linicl.lm
+    from linicl.errors import LiniclError
+    try:
+        path = linicl.lm.gemma3_gguf_path()
+    except LiniclError as e:
+        return dict(skipped=f"{e}")
+    shapes = QUICK_SHAPES if args.quick else GEMMA3_SHAPES
+    t0 = time.perf_counter()
+    model, variables, _ = linicl.lm.gemma3(max_len=max(s for _, s in shapes))
+    jax.block_until_ready(variables)
+    out = dict(gguf=str(path), dtype="float32", in_process_load_s=time.perf_counter() - t0,
+               torch="not measured: the PyTorch worker runs HF Llama checkpoints only")
+    print(f"Gemma 3 load: {out['in_process_load_s']:.2f} s (in process)", flush=True)
+    out["shapes"] = timed_rounds(None, "gemma3", model, variables, model.cfg.vocab_size,
+                                 dict_args(args, shapes=shapes), {})
+    return out
+
+
+def dict_args(args, **changes):
+    """A copy of the parsed ``args`` with ``changes`` (one part's own shapes)."""
+    import argparse
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
 # ------------------------------------------------------------------------------ report
 def targets(report: dict) -> dict:
     """The targets: on GPT-2 small the forward at >= 90 % of its matmul peer's rate and the last-position
@@ -617,6 +654,9 @@ def targets(report: dict) -> dict:
     load = report.get("smollm2", {}).get("load")
     if load:
         out["smollm2_load"] = dict(seconds=load["load_s_median"], met=load["load_s_median"] < 10.0)
+    for r in report.get("gemma3", {}).get("shapes", []):  # Gemma 3's own target: 85 % of its peer
+        out[f"gemma3_{r['batch']}x{r['seq']}_matmul_share"] = dict(ratio=r["jax_over_matmul"],
+                                                                  met=r["jax_over_matmul"] >= 0.85)
     return out
 
 
@@ -629,7 +669,8 @@ def torch_columns(rows) -> list:
 
 def figure(plt, report: dict):
     """Tokens/s of linicl and PyTorch per shape (and the SmolLM2 decode step), one panel per model."""
-    parts = [(k, report[k]) for k in ("gpt2", "smollm2") if isinstance(report.get(k), dict) and "shapes" in report[k]]
+    parts = [(k, report[k]) for k in ("gpt2", "smollm2", "gemma3")
+             if isinstance(report.get(k), dict) and "shapes" in report[k]]
     fig, axes = plt.subplots(1, max(len(parts), 1), figsize=(6.5 * max(len(parts), 1), 4.5), squeeze=False)
     for ax, (key, part) in zip(axes[0], parts):
         rows = part["shapes"]
@@ -651,7 +692,8 @@ def figure(plt, report: dict):
                 ax.annotate(f"{r['jax_over_torch_eager']:.2f}x eager", (j, r["jax_tokens_per_s"]), ha="center",
                             va="bottom", fontsize=8)
         ax.set_xticks(np.arange(len(labels)), labels)
-        title = "GPT-2 small, random weights" if key == "gpt2" else "SmolLM2-135M (GGUF, float32)"
+        title = {"gpt2": "GPT-2 small, random weights", "smollm2": "SmolLM2-135M (GGUF, float32)",
+                 "gemma3": "Gemma 3 270M (GGUF, float32)"}[key]
         if key == "gpt2" and report.get("quick"):
             title = "tiny GPT-2 (--quick)"
         if key == "smollm2":
@@ -667,7 +709,7 @@ def figure(plt, report: dict):
 
 
 def print_table(report: dict) -> None:
-    for key in ("gpt2", "smollm2"):
+    for key in ("gpt2", "smollm2", "gemma3"):
         part = report.get(key)
         if not isinstance(part, dict) or "shapes" not in part:
             if isinstance(part, dict) and "skipped" in part:
@@ -690,6 +732,8 @@ def print_table(report: dict) -> None:
             c = part["logits_check"]
             print(f"  logits vs PyTorch {tuple(c['shape'])}: max rel err {c['max_rel_err']:.2e} "
                   f"(max abs {c['max_abs_err']:.2e}), argmax agreement {c['argmax_agreement']:.3f}")
+        if key == "gemma3":
+            print(f"  load (in process): {part['in_process_load_s']:.2f} s; PyTorch {part['torch']}")
         if key == "smollm2":
             ld = part["load"]
             print(f"  load (fresh process, median of {len(ld['runs'])}): {ld['load_s_median']:.2f} s "
@@ -732,6 +776,7 @@ def parse_args(argv=None):
                         help="skip torch.compile (it compiles once per shape: minutes on 2 cores)")
     parser.add_argument("--load-repeats", type=int, default=3, help="fresh processes timing the SmolLM2 load")
     parser.add_argument("--no-smollm2", action="store_true", help="skip the SmolLM2 part")
+    parser.add_argument("--no-gemma3", action="store_true", help="skip the Gemma 3 part")
     parser.add_argument("--no-smollm2-torch", action="store_true", help="SmolLM2 in linicl only")
     args = parser.parse_args(argv)
     if args.repeats is None:
@@ -776,6 +821,7 @@ def main(argv=None) -> int:
             if side is not None:  # free the GPT-2 models before SmolLM2
                 side.call("close")
             report["smollm2"] = dict(skipped="--no-smollm2") if args.no_smollm2 else bench_smollm2(side, args, Path(tmp))
+            report["gemma3"] = dict(skipped="--no-gemma3") if args.no_gemma3 else bench_gemma3(side, args)
     finally:
         if side is not None:
             side.close()

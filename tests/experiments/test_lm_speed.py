@@ -1,7 +1,7 @@
 """experiments/benchmarks/lm_speed.py runs and reports what it should (no timing is asserted).
 
-The quick mode runs in a subprocess: a tiny GPT-2 and, standing in for SmolLM2 (``LINICL_SMOLLM2_GGUF``),
-the tiny Llama GGUF fixture, so that every code path runs in seconds. The JAX-only path always runs;
+The quick mode runs in a subprocess: a tiny GPT-2 and, standing in for SmolLM2 (``LINICL_SMOLLM2_GGUF``)
+and Gemma 3 (``LINICL_GEMMA3_GGUF``), the tiny Llama and Gemma 3 GGUF fixtures, so that every code path runs in seconds. The JAX-only path always runs;
 the PyTorch comparison runs in-process when torch and transformers are importable here, and through the
 worker process when ``LINICL_TORCH_PYTHON`` names an interpreter that has them.
 """
@@ -29,7 +29,8 @@ def _has(*modules) -> bool:
 
 
 def _run_quick(tmp_path: Path, *extra: str) -> dict:
-    env = dict(os.environ, LINICL_SMOLLM2_GGUF=str(TINY_GGUF), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, LINICL_SMOLLM2_GGUF=str(TINY_GGUF), LINICL_GEMMA3_GGUF=str(FIXTURES / "gemma3-tiny.gguf"),
+               HF_HUB_OFFLINE="1")
     run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--load-repeats", "1", "--out", str(tmp_path),
                           *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -75,6 +76,10 @@ def test_quick_jax_only(tmp_path):
     assert report["torch"]["how"].startswith("skipped")
     assert not any(k.startswith("torch_") for r in report["gpt2"]["shapes"] for k in r)
     assert report["gpt2"]["checkpoint"]["source"].startswith("numpy")
+    gemma = report["gemma3"]  # the tiny Gemma 3 stands in: its forward against its matmul peer
+    assert [r["batch"] * r["seq"] for r in gemma["shapes"]] == [r["tokens"] for r in gemma["shapes"]]
+    assert all(_positive(r["jax_over_matmul"]) for r in gemma["shapes"])
+    assert set(report["targets"]) >= {f"gemma3_{r['batch']}x{r['seq']}_matmul_share" for r in gemma["shapes"]}
 
 
 @pytest.mark.skipif(not _has("torch", "transformers"), reason="torch + transformers are not importable here")
