@@ -35,6 +35,9 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
+# How the shipped Gemma 3 maps were trained (filled in from their stage1.json).
+GEMMA3_STAGE1 = "the shipped maps were trained by `python experiments/linearize.py --model gemma3 --train-only`."
+
 # name -> (title, script and arguments, quick arguments, arguments of the full run only, JSON file, plots,
 # reference note)
 EXPERIMENTS = {
@@ -118,6 +121,21 @@ EXPERIMENTS = {
              "stage 2 (100 steps of 2 x 512 tokens = 102,400 tokens, about 13 s a step) and the evaluation. "
              "The learned-kernel conversion of the softmax model is left out (`--skip-approx`): the "
              "windowed section measures it."),
+    "linearize_gemma3": dict(
+        title="Linearized Gemma 3 270M: maps on the 3 global layers, exact local windows, ICL with the prompt as weights",
+        # the evaluation of the shipped maps (their training: `--model gemma3 --train-only`, the note)
+        cmd=["experiments/linearize.py", "--model", "gemma3", "--resume"], quick=["--quick"],
+        full=["--maps", "linicl/linearize/artifacts/gemma3_maps.safetensors", "--k", "0", "8", "--n-eval", "24",
+              "--eval-seqs", "4", "--eval-len", "2048", "--lengths", "512", "2048", "--skip-approx"],
+        json="linearize.json", plots=["linearize.png"],
+        reference="LoLCATs (arXiv 2410.10254) linearizes every layer of Llama 3 8B with a window of 64; no "
+                  "paper linearizes only the global layers of a local/global model or reports Gemma 3 270M.",
+        note=GEMMA3_STAGE1),
+    "decode_memory": dict(
+        title="Benchmark: decode memory of Gemma 3 at 8,192 tokens (local layers bounded by their window)",
+        cmd=["experiments/benchmarks/decode_memory.py"], quick=["--quick"], json="decode_memory.json", plots=[],
+        reference="No paper; issue target: decoding 8,192 tokens holds the local layers' caches at the window "
+                  "size (counted on the decode state itself)."),
     "recall_capacity": dict(
         title="Recall capacity of the mixers on MQAR and in-context linear regression, prompted and converted",
         # resumes on its own: each trained mixer is a checkpoint in results/recall_capacity/checkpoints/

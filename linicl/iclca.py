@@ -433,6 +433,12 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         _check_maps_use(cfg, kernel, maps)
     if cfg.attention == "linear":
         return convert(model, variables, prompt)
+    if cfg.has_local_layers:
+        raise LiniclError("convert_approx: a softmax model with local (sliding-window) layers "
+                          f"(layer_types={cfg.layer_types!r}) is not supported: its local layers are "
+                          "finite states that would need an exact prompt_state beside the approximated "
+                          "global layers. Linearize the global layers (linicl.linearize.student_config) "
+                          "and convert exactly with iclca.convert")
     _check_variables(variables)
     if any(c in variables for c in PROMPT_COLLECTIONS):
         raise LiniclError("variables already hold a converted prompt; convert the whole prompt at once "

@@ -165,3 +165,12 @@ def test_bad_arguments_are_refused():
         iclca.convert_approx(model, variables, tokens(0, 2, 6, cfg.vocab_size), fit_inputs=prompt)
     with pytest.raises(NotExactError, match="convert_approx"):
         iclca.convert(model, variables, prompt)
+
+
+def test_a_softmax_model_with_local_layers_is_refused_by_name():
+    """Gemma 3's local layers would need an exact state beside the approximated global layers: refused
+    with the way to an exact conversion, not a KeyError from inside."""
+    from helpers import FIXTURES
+    model, variables, _ = linicl.lm.from_pretrained(FIXTURES / "gemma3-tiny")
+    with pytest.raises(LiniclError, match="local .*layer_types.*student_config"):
+        iclca.convert_approx(model, variables, tokens(0, 1, 6, model.cfg.vocab_size))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BASELINE_MIN, EXACT_RTOL, REPO, interrupt_at, rel_err
+from helpers import BASELINE_MIN, EXACT_RTOL, REPO, gemma3_only, interrupt_at, rel_err
 
 import linicl
 from linicl import linearize as LZ
@@ -208,6 +208,31 @@ def test_shipped_smollm2_maps_load_and_convert_prompts_exactly():
     cached = type(model)(model.cfg.replace(cache=2))
     ref = cached.apply(variables, jnp.concatenate([prompt, query], 1))[:, prompt.shape[1]:]
     assert rel_err(cached.apply(linicl.iclca.convert(cached, variables, prompt), query), ref) <= 1e-4
+
+
+def test_shipped_gemma3_maps_are_small_and_hold_the_global_layers_only():
+    from linicl import checkpoint
+    assert LZ.GEMMA3_MAPS.stat().st_size <= 25 * 2**20
+    head = checkpoint.header(LZ.GEMMA3_MAPS)
+    assert head.settings["kind"] == "linicl.linearize.maps" and head.meta["teacher"] == "gemma3"
+
+
+@gemma3_only
+def test_shipped_gemma3_maps_load_and_convert_prompts_exactly():
+    """Linearized Gemma 3 in one call: maps on layers 5, 11 and 17, the local layers the teacher's exact
+    windows; a few-shot prompt converts: converted query logits = prompted ones to <= 1e-4
+    relative in float32 (the issue's target), far from dropping the prompt."""
+    model, variables, tok = LZ.gemma3(max_len=256)
+    cfg = model.cfg
+    assert cfg.attention == "linear" and cfg.feature_map == "hedgehog" and LZ.trained_layers(cfg) == (5, 11, 17)
+    assert "phi_q_W" in variables["params"]["layers_5"]["attn"]
+    assert "phi_q_W" not in variables["params"]["layers_0"]["attn"]
+    prompt = jnp.asarray([tok.encode("hot: cold\nbig: small\nup: down\nfast:", add_bos=True)])
+    query = jnp.asarray([tok.encode(" slow\nopen:")])
+    converted = linicl.iclca.convert(model, variables, prompt)
+    ref = model.apply(variables, jnp.concatenate([prompt, query], 1))[:, prompt.shape[1]:]
+    assert rel_err(model.apply(converted, query), ref) <= 1e-4
+    assert rel_err(model.apply(variables, query), ref) >= 1e-2
 
 
 @pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
