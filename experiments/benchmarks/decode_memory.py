@@ -8,8 +8,9 @@ the floats of its decode state are counted (``linicl.memory``'s convention: floa
 the number of keys it holds; a local layer's count must be the same at both lengths (its window of
 ``sliding_window - 1`` keys: bounded), a global layer's is its ``max_len`` cache. The totals are set
 beside ``linicl.memory.kv_cache_floats`` (a KV cache of exactly the tokens seen, keys shared by
-grouped-query heads) and the same model with every layer global. The peak resident memory of the
-process is recorded too.
+grouped-query heads), the least the local layers need (each kv head's window of keys and values; the
+zoo's window keeps one per query head, so grouped-query models hold more) and the same model with
+every layer global. The peak resident memory of the process is recorded too.
 
     python experiments/benchmarks/decode_memory.py --quick      # the tiny Gemma 3 fixture, 64 tokens
     python experiments/benchmarks/decode_memory.py              # Gemma 3 270M at 8,192 tokens
@@ -93,12 +94,15 @@ def main(argv=None) -> int:
         local_bounded=all(a["floats"] == b["floats"] for a, b in zip(long, short) if a["kind"] == "local"),
         local_keys=sorted({r["keys"] for r in local}),
         local_floats=sum(r["floats"] for r in local),
+        # what the local layers need at least: each kv head's last window - 1 keys and values
+        local_kv_floats=2 * cfg.kv_heads * cfg.head_dim * (cfg.sliding_window - 1) * len(local),
         global_floats=sum(r["floats"] for r in long if r["kind"] == "global"),
         total_floats=sum(r["floats"] for r in long),
         kv_cache_floats=kv_cache_floats(cfg, args.tokens),
         all_global_kv_floats=kv_cache_floats(cfg.replace(layer_types=None, sliding_window=0, rope_local_base=None),
                                              args.tokens),
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        machine=reporting.machine_info(),
         wall_s=time.perf_counter() - t0)
     reporting.publish(args.out, "decode_memory", report, table(report), plots=False)
     return 0 if report["local_bounded"] else 1
@@ -106,14 +110,17 @@ def main(argv=None) -> int:
 
 def table(r: dict) -> str:
     m = lambda x: f"{x:,}"  # noqa: E731
-    return "\n".join([
+    return "\n".join(["```",
         f"Decode state after {r['tokens']} tokens ({r['model']}, window {r['sliding_window']}, max_len {r['max_len']}):",
         f"  local layers: {m(r['local_floats'])} floats, {r['local_keys']} keys per layer; the same at "
         f"{r['short']} tokens: {r['local_bounded']}",
         f"  global layers: {m(r['global_floats'])} floats (their max_len caches)",
         f"  total {m(r['total_floats'])}; a KV cache of the tokens seen {m(r['kv_cache_floats'])}; "
         f"every layer global {m(r['all_global_kv_floats'])}",
-        f"  peak resident memory {r['peak_rss_mib']:.0f} MiB"])
+        f"  the local layers' minimum, each kv head's window of keys and values: {m(r['local_kv_floats'])}",
+        f"  (they hold {r['local_floats'] / r['local_kv_floats']:.1f}x that: the window keeps every query head's key "
+        f"and value, and feature slots)",
+        f"  peak resident memory {r['peak_rss_mib']:.0f} MiB", "```"])
 
 
 if __name__ == "__main__":

@@ -22,3 +22,4 @@ def test_quick_run_counts_each_layer_s_decode_state(tmp_path):
     per_local = 3 * 4 * (24 + 2 + 24) + 4 * (24 + 1)
     assert [x["floats"] for x in r["layers"]] == [per_local, per_local, 2 * 2 * 24 * 64]
     assert r["kv_cache_floats"] == 2 * 2 * 24 * (3 + 3 + 64) and r["all_global_kv_floats"] == 2 * 2 * 24 * 64 * 3
+    assert r["local_kv_floats"] == 2 * 2 * 24 * 3 * 2
