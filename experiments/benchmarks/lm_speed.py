@@ -604,7 +604,7 @@ def bench_smollm2(side, args, tmp: Path) -> dict:
 GEMMA3_SHAPES = [(1, 512), (4, 512)]
 
 
-def bench_gemma3(side, args) -> dict:
+def bench_gemma3(args) -> dict:
     """Gemma 3 270M (``linicl.lm.gemma3``): in-process load time and the forward at its own shapes
     (1 x 512, 4 x 512; with --quick the quick shapes) against its matmul peer, the same products on
     the same shapes (the 262,144-entry unembedding included). No PyTorch side: the worker runs HF
@@ -821,7 +821,7 @@ def main(argv=None) -> int:
             if side is not None:  # free the GPT-2 models before SmolLM2
                 side.call("close")
             report["smollm2"] = dict(skipped="--no-smollm2") if args.no_smollm2 else bench_smollm2(side, args, Path(tmp))
-            report["gemma3"] = dict(skipped="--no-gemma3") if args.no_gemma3 else bench_gemma3(side, args)
+            report["gemma3"] = dict(skipped="--no-gemma3") if args.no_gemma3 else bench_gemma3(args)
     finally:
         if side is not None:
             side.close()
