@@ -520,6 +520,13 @@ class ModelConfig:
     def has_local_layers(self) -> bool:
         return self.layer_types is not None and "local" in self.layer_types
 
+    @property
+    def global_layers(self) -> tuple:
+        """The indices of the layers that run the config's own attention: every layer, or the global
+        ones when ``layer_types`` has local (sliding-window) layers."""
+        types = self.layer_types or ("global",) * self.n_layers
+        return tuple(l for l, kind in enumerate(types) if kind == "global")
+
     def layer_config(self, layer: int) -> "ModelConfig":
         """The config layer ``layer`` runs with: this one for a global layer; for a local layer the
         exact sliding-window softmax as a finite-state hybrid (no linear part, no sinks, no epsilon,

@@ -42,6 +42,7 @@ from linicl.kernels.positions import apply_rope
 from linicl.kernels.softmax_attention import repeat_kv
 from linicl.names import (APPROX_FORMS, APPROX_KERNELS, DECODE, POSITION, PROMPT_APPROX, PROMPT_COLLECTIONS,
                           PROMPT_STATE, block_site, layer_scope, scope_layer)
+from linicl.nn.norms import make_norm
 from linicl.nn.transformer import config_of, position_offset
 
 Variables = Mapping[str, Any]
@@ -282,13 +283,18 @@ class PromptApprox:
 
 
 def _prompt_kv_fn(model):
-    """jit(variables, prompt) -> per layer (k, v) of the prompt as the decode cache holds them
-    (``[batch, kv_heads, n, d_head]``, keys rotated to positions 0..n-1): exact, by causality."""
+    """jit(variables, prompt) -> ``(kv, local)``: ``kv[l] = (k, v)``, the prompt's keys and values of
+    each global layer l as the decode cache holds them (``[batch, kv_heads, n, d_head]``, keys rotated
+    to positions 0..n-1: exact, by causality), and ``local``, the ``prompt_state`` collection the
+    prompt leaves in the local layers (their exact windows; empty without local layers)."""
     def run(variables, prompt):
-        _, state = model.apply(variables, prompt, mutable=[DECODE])
+        _, state = model.apply(variables, prompt, mutable=[DECODE, PROMPT_STATE])
         n = prompt.shape[1]
-        layers = (state[DECODE][layer_scope(l)]["attn"] for l in range(config_of(model).n_layers))
-        return [(a["cached_k"][:, :, :n], a["cached_v"][:, :, :n]) for a in layers]
+        kv = {}
+        for l in config_of(model).global_layers:
+            a = state[DECODE][layer_scope(l)]["attn"]
+            kv[l] = (a["cached_k"][:, :, :n], a["cached_v"][:, :, :n])
+        return kv, state.get(PROMPT_STATE, {})
     return compiled.get(("iclca.prompt_kv", model), lambda: jax.jit(run))
 
 
@@ -337,10 +343,11 @@ def _map_error(what: str) -> LiniclError:
                        f"(linicl.linearize.student_variables, train_maps or load_maps)")
 
 
-def _learned_maps(cfg: ModelConfig, maps) -> list[dict]:
-    """Per layer ``{phi_q_W, phi_q_b, phi_k_W, phi_k_b: the maps, g: f[heads]}``, checked against
-    ``cfg``. g_h = sigmoid(gate) of the student's layer; a student without an exact part (window 0,
-    sinks 0) has no gate, and then g_h = 1: the teacher's own e^{s - c_t}."""
+def _learned_maps(cfg: ModelConfig, maps) -> dict:
+    """Per global layer l (``cfg.global_layers``) ``{phi_q_W, phi_q_b, phi_k_W, phi_k_b: the maps, g:
+    f[heads]}``, checked against ``cfg``. g_h = sigmoid(gate) of the student's layer; a student without
+    an exact part (window 0, sinks 0) has no gate, and then g_h = 1: the teacher's own e^{s - c_t}.
+    A local layer needs no maps (its window is kept exact)."""
     if not isinstance(maps, Mapping):
         raise _map_error(f"must be a dict, got {type(maps).__name__}")
     params = maps.get("params", maps)
@@ -348,8 +355,8 @@ def _learned_maps(cfg: ModelConfig, maps) -> list[dict]:
     if extra:
         raise _map_error(f"hold {extra} but the model has {cfg.n_layers} layers")
     H, d, dt = cfg.n_heads, cfg.head_dim, cfg.jnp_dtype
-    out = []
-    for l in range(cfg.n_layers):
+    out = {}
+    for l in cfg.global_layers:
         scope = layer_scope(l)
         attn = params.get(scope, {}).get("attn", {})
         missing = [name for name in _MAPS if name not in attn]
@@ -365,7 +372,7 @@ def _learned_maps(cfg: ModelConfig, maps) -> list[dict]:
                                  f"(n_heads={H}, head_dim={d}) needs {shape}")
         layer = {name: jnp.asarray(attn[name], dt) for name in _MAPS}
         layer["g"] = jax.nn.sigmoid(jnp.asarray(attn["gate"], dt)) if "gate" in attn else jnp.ones((H,), dt)
-        out.append(layer)
+        out[l] = layer
     return out
 
 
@@ -389,7 +396,10 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     The prompt's keys and values are the exact ones of the prompted model (its decode cache); only
     e^{q.k/sqrt d} between a later query and a prompt key is replaced by phi(q).phi(k), so each layer
     and head keeps B = sum phi(k_i) v_i^T and b = sum phi(k_i). The query then sits at positions
-    n, n+1, ... (the offset is stored, for learned positions and rope alike).
+    n, n+1, ... (the offset is stored, for learned positions and rope alike). A model with local
+    (sliding-window) layers (``ModelConfig.layer_types``, Gemma 3) approximates only its global layers;
+    each local layer is a finite state and stores its exact window (the prompt's last
+    ``sliding_window - 1`` keys and values), as ``iclca.convert`` stores it.
 
     Args:
       model, variables: a ``linicl.Transformer`` and its variables (with no prompt stored yet).
@@ -409,7 +419,7 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         where the student's window would have moved past it.
       maps: for ``kernel="learned"`` only: the linearized student's variables or params, with
         ``layers_l/attn/{phi_q_W, phi_q_b, phi_k_W, phi_k_b: [heads, d_head, m] / [heads, m]}`` for
-        every layer (and ``gate: [heads]`` when the student has an exact part). The maps act on
+        every global layer (and ``gate: [heads]`` when the student has an exact part). The maps act on
         rotated q, k (``rope_on="inputs"``, the student's default).
       sinks: the first ``sinks`` prompt tokens stay exact key/value entries of the softmax (attention
         sinks); only the rest is linearised.
@@ -423,7 +433,8 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         LiniclError; under ``jit`` it gives non-finite bias terms (NaN logits) and a ``checkify`` error.
       n_features: a positive int (used by ``"prf"``).
     Returns:
-      Variables with the ``"prompt_approx"`` collection holding, per layer, a ``PromptApprox``, and
+      Variables with the ``"prompt_approx"`` collection holding, per global layer, a ``PromptApprox``
+      (and ``"prompt_state"`` the local layers' exact windows, when the model has local layers), and
       ``"position"`` the query's position ``offset = n``. On a linear-attention model: ``convert(model, variables, prompt)``,
       which is exact (the kernel arguments do not apply; ``kernel="learned"`` is refused there).
       Works under ``jax.jit`` (variables and prompt may be traced; the offset is an array).
@@ -433,12 +444,6 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         _check_maps_use(cfg, kernel, maps)
     if cfg.attention == "linear":
         return convert(model, variables, prompt)
-    if cfg.has_local_layers:
-        raise LiniclError("convert_approx: a softmax model with local (sliding-window) layers "
-                          f"(layer_types={cfg.layer_types!r}) is not supported: its local layers are "
-                          "finite states that would need an exact prompt_state beside the approximated "
-                          "global layers. Linearize the global layers (linicl.linearize.student_config) "
-                          "and convert exactly with iclca.convert")
     _check_variables(variables)
     if any(c in variables for c in PROMPT_COLLECTIONS):
         raise LiniclError("variables already hold a converted prompt; convert the whole prompt at once "
@@ -449,14 +454,14 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     _check_approx_args(cfg, kernel, form, lam, sinks, window, n, fit_inputs, n_features, ridge)
     learned = _learned_maps(cfg, maps) if kernel == "learned" else None
     check_fits("prompt", 0, n + 1, cfg.max_len, "the model's positions (prompt plus one query token)")
-    kv = _prompt_kv_fn(model)(dict(variables), prompt)
+    kv, local = _prompt_kv_fn(model)(dict(variables), prompt)
     key = jax.random.PRNGKey(seed)
     layers = {}
     lin = slice(sinks, n - window)  # the linearised prompt tokens; the rest stay exact
     exact = np.r_[0:sinks, n - window:n].astype(np.int32)
     fit = _fit_targets(model, variables, prompt, fit_inputs, kernel, lin, n_features, seed) \
         if fit_inputs is not None else None
-    for l, (k, v) in enumerate(kv):
+    for l, (k, v) in kv.items():
         W = (prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features,
                                            cfg.head_dim, k.dtype) if kernel == "prf" else None)
         # GQA: keys and values are repeated to the query heads first (the student's key map is per
@@ -476,7 +481,9 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
             sink_v=v[:, :, exact] if exact.size else None,
             sink_pos=jnp.asarray(exact) if exact.size else None, kernel=kernel,
             lam=float(lam) if form == "mix" else None, **query_map)}}
-    return {**variables, PROMPT_APPROX: layers, POSITION: {"offset": jnp.asarray(n, jnp.int32)}}
+    exact_windows = {PROMPT_STATE: local} if local else {}
+    return {**variables, PROMPT_APPROX: layers, **exact_windows,
+            POSITION: {"offset": jnp.asarray(n, jnp.int32)}}
 
 
 def drop_approx_terms(converted: Variables) -> dict:
@@ -495,30 +502,42 @@ def drop_approx_terms(converted: Variables) -> dict:
     return {**converted, PROMPT_APPROX: dropped}
 
 
+def _scored_queries(cfg: ModelConfig, attn_params, q: jax.Array) -> jax.Array:
+    """The queries a softmax layer scores, from its projections ``q`` (site ``hook_q``, before rope):
+    with Gemma's qk-norm and query scale applied as ``nn.attention`` applies them."""
+    if cfg.qk_norm:
+        q = make_norm(cfg, "q_norm").apply({"params": attn_params["q_norm"]}, q)
+    return q * jnp.asarray(cfg.query_scale, q.dtype) if cfg.query_pre_attn_scalar is not None else q
+
+
 def _fit_fn(model, kernel: str, lin: tuple, n: int):
-    """jit(variables, tokens, Ws) -> per layer (A [H, R, F], Y [H, R, d+1]): the weighted regression
-    rows phi(q_r) / M_r and targets [N_r, Z_r] / M_r, M_r being the query's total softmax mass."""
+    """jit(variables, tokens, Ws) -> per global layer l, ``{l: (A [H, R, F], Y [H, R, d+1])}``: the
+    weighted regression rows phi(q_r) / M_r and targets [N_r, Z_r] / M_r, M_r being the query's total
+    softmax mass."""
     cfg = config_of(model)
-    names = [block_site(l, h) for l in range(cfg.n_layers) for h in ("hook_q", "hook_v", "hook_attn_scores")]
+    layers = cfg.global_layers
+    names = {l: [block_site(l, h) for h in ("hook_q", "hook_v", "hook_attn_scores")] for l in layers}
 
     def run(variables, tokens, Ws):
-        _, acts = capture(model, variables, tokens, names=names)
+        _, acts = capture(model, variables, tokens, names=[a for l in layers for a in names[l]])
         T = tokens.shape[1]
-        out = []
-        for l in range(cfg.n_layers):
-            q = jnp.swapaxes(acts[names[3 * l]], 1, 2)  # [m, H, T, d]
+        out = {}
+        for l in layers:
+            site_q, site_v, site_s = (acts[a] for a in names[l])
+            q = _scored_queries(cfg, variables["params"][layer_scope(l)]["attn"], site_q)
+            q = jnp.swapaxes(q, 1, 2)  # [m, H, T, d]
             if cfg.positions == "rope":
                 q = apply_rope(q, jnp.arange(T), cfg.rope_base, cfg.rope_style)
-            v = repeat_kv(jnp.swapaxes(acts[names[3 * l + 1]], 1, 2), cfg.n_heads)[:, :, lin[0]:lin[1]]
-            s = acts[names[3 * l + 2]][:, :, n:, :]  # rows of the input queries, all keys
+            v = repeat_kv(jnp.swapaxes(site_v, 1, 2), cfg.n_heads)[:, :, lin[0]:lin[1]]
+            s = site_s[:, :, n:, :]  # rows of the input queries, all keys
             visible = jnp.arange(T)[None, :] <= (n + jnp.arange(T - n))[:, None]
             log_mass = jax.nn.logsumexp(jnp.where(visible, s, -jnp.inf), axis=-1)  # [m, H, t]
             w = jnp.exp(s[..., lin[0]:lin[1]] - log_mass[..., None])  # e^{s_i} / M, linearised part
             Y = jnp.concatenate([jnp.einsum("bhti,bhid->bhtd", w, v), w.sum(-1, keepdims=True)], -1)
             phi = prompt_kernels.features(kernel, q[:, :, n:], Ws[l]) * jnp.exp(-log_mass)[..., None]
             R = phi.shape[0] * phi.shape[2]
-            out.append((jnp.swapaxes(phi, 0, 1).reshape(cfg.n_heads, R, -1),
-                        jnp.swapaxes(Y, 0, 1).reshape(cfg.n_heads, R, -1)))
+            out[l] = (jnp.swapaxes(phi, 0, 1).reshape(cfg.n_heads, R, -1),
+                      jnp.swapaxes(Y, 0, 1).reshape(cfg.n_heads, R, -1))
         return out
     return compiled.get(("iclca.fit", model, kernel, lin, n), lambda: jax.jit(run))
 
@@ -531,8 +550,8 @@ def _fit_targets(model, variables, prompt, fit_inputs, kernel, lin: slice, n_fea
     n, m = prompt.shape[1], fit_inputs.shape[0]
     check_fits("fit_inputs", n, fit_inputs.shape[1], cfg.max_len, "the model's positions")
     key = jax.random.PRNGKey(seed)
-    Ws = [prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features, cfg.head_dim,
-                                        cfg.jnp_dtype) if kernel == "prf" else None for l in range(cfg.n_layers)]
+    Ws = {l: prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features, cfg.head_dim,
+                                           cfg.jnp_dtype) if kernel == "prf" else None for l in cfg.global_layers}
     tokens = jnp.concatenate([jnp.broadcast_to(prompt, (m, n)), fit_inputs], axis=1)
     return _fit_fn(model, kernel, (lin.start, lin.stop), n)(dict(variables), tokens, Ws)
 

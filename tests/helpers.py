@@ -223,14 +223,17 @@ def any_configs(draw, **fixed) -> linicl.ModelConfig:
 
 
 @st.composite
-def softmax_configs(draw, **fixed) -> linicl.ModelConfig:
-    """Softmax float64 configs over positions, norms, block forms, MLPs and grouped-query heads."""
+def softmax_configs(draw, local: bool = False, **fixed) -> linicl.ModelConfig:
+    """Softmax float64 configs over positions, norms, block forms, MLPs and grouped-query heads;
+    ``local=True``: with Gemma-style local (sliding-window) layers among the global ones."""
     n_heads = draw(st.sampled_from([1, 2, 3]))
     values = dict(vocab_size=draw(st.integers(6, 40)), d_model=n_heads * draw(st.sampled_from([4, 6])),
                   n_layers=draw(st.integers(1, 3)), n_heads=n_heads, d_ff=8, max_len=128,
                   attention="softmax", positions=draw(st.sampled_from(POSITIONS)),
                   **_structure(draw, n_heads), use_bias=draw(st.booleans()), dtype="float64")
     values.update(gemma_options(draw, values))
+    if local:
+        values.update(local_layers(draw, values["n_layers"], values["positions"]))
     values.update(fixed)
     return linicl.ModelConfig(**values)
 

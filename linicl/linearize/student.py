@@ -31,8 +31,7 @@ def trained_layers(cfg: ModelConfig) -> Tuple[int, ...]:
     """The blocks that get maps: every block, or only the global ones of a model with local layers
     (Gemma's sliding windows are finite states already and the student keeps them exact; their
     per-head window gates, which cancel in a window with no linear part, get no gradient)."""
-    types = cfg.layer_types or ("global",) * cfg.n_layers
-    return tuple(l for l, kind in enumerate(types) if kind == "global")
+    return cfg.global_layers
 
 
 def student_config(teacher: ModelConfig, *, window: int = 16, sinks: int = 4, feature_size: int = 0,

@@ -167,10 +167,107 @@ def test_bad_arguments_are_refused():
         iclca.convert(model, variables, prompt)
 
 
-def test_a_softmax_model_with_local_layers_is_refused_by_name():
-    """Gemma 3's local layers would need an exact state beside the approximated global layers: refused
-    with the way to an exact conversion, not a KeyError from inside."""
+@examples(0.25)
+@given(cfg=softmax_configs(local=True), n=st.integers(1, 10), m=st.integers(1, 6),
+       kernel=st.sampled_from(["taylor2", "prf", "elu+1"]), seed=st.integers(0, 2**16))
+def test_local_layers_keep_their_exact_windows(cfg, n, m, kernel, seed):
+    """Gemma-style models: only the global layers are approximated, each local layer stores its exact
+    window (prompts shorter and longer than it). With every prompt token of the global layers kept
+    exact the conversion is exact, in one pass and decoding a token at a time."""
+    model, variables = init(cfg, seed)
+    prompt, query = tokens(seed, 1, n, cfg.vocab_size), tokens(seed + 1, 2, m, cfg.vocab_size)
+    converted = iclca.convert_approx(model, variables, prompt, kernel=kernel, sinks=n // 2, window=n - n // 2)
+    assert sorted(converted.get("prompt_approx", {})) == [f"layers_{l}" for l in cfg.global_layers]
+    assert sorted(converted["prompt_state"]) == [f"layers_{l}" for l in range(cfg.n_layers)
+                                                 if l not in cfg.global_layers]
+    target = _prompted(model, variables, prompt, query)
+    assert rel_err(apply(model, converted, query), target) <= EXACT_RTOL
+    if cfg.global_layers or cfg.sliding_window > 1 or cfg.positions == "learned":
+        # (local windows of 1 token alone, with no absolute positions, cannot see a prompt at all)
+        assert rel_err(apply(model, variables, query), target) >= BASELINE_MIN
+    step = jax.jit(lambda v, t: model.apply(v, t, mutable=["decode"]))
+    v, outs = converted, []
+    for t in range(m):
+        out, cache = step(v, query[:, t:t + 1])
+        v, outs = {**v, **cache}, outs + [out]
+    assert rel_err(jnp.concatenate(outs, axis=1), target) <= EXACT_RTOL
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma():
+    """The HF-written tiny Gemma 3 (window 4; layers local, local, global) in float64."""
     from helpers import FIXTURES
-    model, variables, _ = linicl.lm.from_pretrained(FIXTURES / "gemma3-tiny")
-    with pytest.raises(LiniclError, match="local .*layer_types.*student_config"):
-        iclca.convert_approx(model, variables, tokens(0, 1, 6, model.cfg.vocab_size))
+    model, variables, _ = linicl.lm.from_pretrained(FIXTURES / "gemma3-tiny", dtype="float64")
+    return model, variables
+
+
+def test_gemma_approximates_its_global_layer_next_to_exact_windows(tiny_gemma):
+    """A 20-token prompt (5 windows long): the local layers store the windows the prompt leaves in the
+    model (its last window - 1 keys and values, at their positions), and the approximation is far closer
+    to the prompted model than the query alone."""
+    model, variables = tiny_gemma
+    cfg = model.cfg
+    prompt, query = tokens(31, 1, 20, cfg.vocab_size), tokens(32, 2, 5, cfg.vocab_size)
+    converted = iclca.convert_approx(model, variables, prompt, kernel="taylor2", sinks=2)
+    target = _prompted(model, variables, prompt, query)
+    approx_err = rel_err(apply(model, converted, query), target)
+    assert approx_err < 0.5 * rel_err(apply(model, variables, query), target)
+    # the local layers see the softmax model's own layers below them, so their windows are those the
+    # prompt leaves in an (eager) pass of the model itself
+    _, dec = model.apply(variables, prompt, mutable=["decode", "prompt_state"])
+    for l in range(cfg.n_layers):
+        if l in cfg.global_layers:
+            continue
+        stored, expected = converted["prompt_state"][f"layers_{l}"]["attn"], dec["prompt_state"][f"layers_{l}"]["attn"]
+        assert sorted(stored) == sorted(expected)
+        for name in ("win_k", "win_v"):  # jit and eager round rope differently: equal to 1e-12, not bitwise
+            assert rel_err(stored[name], expected[name]) <= EXACT_RTOL, (l, name)
+        assert jnp.array_equal(stored["win_pos"], jnp.arange(20 - cfg.sliding_window + 1, 20))
+
+
+def test_the_fit_reads_the_queries_gemma_scores(tiny_gemma):
+    """The least-squares fit regresses on the queries the layer scores: Gemma's q-norm and query scale
+    applied to hook_q (the projection). Rebuilt from them, the logits equal hook_attn_scores."""
+    from linicl.interventions import capture
+    from linicl.kernels.positions import apply_rope
+    from linicl.kernels.softmax_attention import attention_logits, repeat_kv
+    from linicl.names import block_site
+    from linicl.nn.norms import make_norm
+    model, variables = tiny_gemma
+    cfg = model.cfg
+    (l,) = cfg.global_layers
+    x = tokens(33, 2, 9, cfg.vocab_size)
+    names = [block_site(l, h) for h in ("hook_q", "hook_k", "hook_attn_scores")]
+    _, acts = capture(model, variables, x, names=names)
+    attn = variables["params"][f"layers_{l}"]["attn"]
+    q = iclca._scored_queries(cfg, attn, acts[names[0]])
+    k = make_norm(cfg, "k_norm").apply({"params": attn["k_norm"]}, acts[names[1]])
+    pos = jnp.arange(x.shape[1])
+    q, k = (apply_rope(jnp.swapaxes(a, 1, 2), pos, cfg.rope_base, cfg.rope_style) for a in (q, k))
+    logits = attention_logits(q, repeat_kv(k, cfg.n_heads))
+    assert rel_err(logits, acts[names[2]]) <= EXACT_RTOL
+    unscored = attention_logits(apply_rope(jnp.swapaxes(acts[names[0]], 1, 2), pos, cfg.rope_base, cfg.rope_style),
+                                repeat_kv(k, cfg.n_heads))
+    assert rel_err(unscored, acts[names[2]]) >= BASELINE_MIN
+    prompt, inputs = tokens(34, 1, 12, cfg.vocab_size), tokens(35, 24, 6, cfg.vocab_size)
+    target = _prompted(model, variables, prompt, inputs)
+    summed = iclca.convert_approx(model, variables, prompt, kernel="elu+1")
+    fitted = iclca.convert_approx(model, variables, prompt, kernel="elu+1", fit_inputs=inputs)
+    assert rel_err(apply(model, fitted, inputs), target) < rel_err(apply(model, summed, inputs), target)
+
+
+def test_gemma_learned_kernel_needs_maps_of_the_global_layers_only(tiny_gemma):
+    """The linearized student of a Gemma model has maps on its global layers alone; they convert the
+    softmax teacher, and a prompt kept as sinks gives the prompted teacher exactly."""
+    from linicl import linearize as LZ
+    model, variables = tiny_gemma
+    cfg = model.cfg
+    student = linicl.Transformer(LZ.student_config(cfg, window=4, sinks=1))
+    maps = LZ.student_variables(student, variables)
+    prompt, query = tokens(36, 1, 10, cfg.vocab_size), tokens(37, 2, 4, cfg.vocab_size)
+    target = _prompted(model, variables, prompt, query)
+    kept = iclca.convert_approx(model, variables, prompt, kernel="learned", maps=maps, sinks=10)
+    assert rel_err(apply(model, kept, query), target) <= EXACT_RTOL
+    approx = iclca.convert_approx(model, variables, prompt, kernel="learned", maps=maps, sinks=1, window=3)
+    assert rel_err(apply(model, approx, query), target) < rel_err(apply(model, variables, query), target)
+
