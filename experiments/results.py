@@ -41,8 +41,9 @@ GEMMA3_STAGE1 = ("the shipped maps were trained by `python experiments/linearize
                  "BOS first; window 16, sinks 4, hedgehog maps on the 3 global layers only): 1,575 s of stage 1 on 2 "
                  "cores shared with other work; final relative attention-output errors 0.005 / 0.155 / 0.085 "
                  "(layers 5, 11, 17). The evaluation runs the 15 word tasks at k = 0 and 8 with 16 queries each "
-                 "and leaves out the learned-kernel conversion of the softmax model (`--skip-approx`: "
-                 "`convert_approx` refuses models with local layers).")
+                 "and leaves out the learned-kernel conversion of the softmax model (`--skip-approx`). It ran in "
+                 "two processes: the first (2,037 s) was stopped after 24 of the 30 ICL cells, and `--resume` "
+                 "reused them and its held-out losses; the wall time is the second's.")
 
 # name -> (title, script and arguments, quick arguments, arguments of the full run only, JSON file, plots,
 # reference note)
