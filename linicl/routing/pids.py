@@ -24,8 +24,26 @@ _ARRAYS = ("U_q", "U_k", "mean_q", "mean_k", "explained_q", "explained_k")
 
 
 def routed_layers(cfg: ModelConfig) -> tuple:
-    """The last third of the layers, 0-based: floor(2L/3) .. L-1 (GPT-2 small: 8-11; SmolLM2: 20-29)."""
-    return tuple(range((2 * cfg.n_layers) // 3, cfg.n_layers))
+    """The last third of the layers, 0-based: floor(2L/3) .. L-1 (GPT-2 small: 8-11; SmolLM2: 20-29).
+    Of a model with local (sliding-window) layers only the global ones (Gemma 3 270M: 17): a local
+    layer runs as a finite-state window with no logits site (``hook_attn_scores``) to bias."""
+    layers = tuple(l for l in range((2 * cfg.n_layers) // 3, cfg.n_layers) if l in cfg.global_layers)
+    if not layers:
+        raise LiniclError(f"routed_layers: the last third of this model's layers (layer_types="
+                          f"{cfg.layer_types!r}) has no global layer to route; pass layers= explicitly")
+    return layers
+
+
+def check_routable(cfg: ModelConfig, layers: Sequence[int]) -> tuple:
+    """``layers`` as a tuple, each a global softmax layer of ``cfg`` (one with ``hook_attn_scores``)."""
+    layers = tuple(int(l) for l in layers)
+    if cfg.attention != "softmax":
+        raise LiniclError(f"routing biases softmax attention logits; this model has attention={cfg.attention!r}")
+    bad = [l for l in layers if l not in cfg.global_layers]
+    if not layers or bad:
+        raise LiniclError(f"layers must be a non-empty sequence of this model's global layers "
+                          f"{cfg.global_layers} (local sliding-window layers have no logits site), got {layers}")
+    return layers
 
 
 def pca(X: np.ndarray, r: int, center: bool = True, name: str = "X"):
@@ -99,7 +117,7 @@ def extract_pids(model, variables, prompts, *, layers: Optional[Sequence[int]] =
     """PCA of the last-token q and k projections (before rope, concatenated over heads) of
     ``prompts`` (few-shot ``linicl.data.Prompt`` objects of the in-domain tasks) at each routed layer."""
     cfg = config_of(model)
-    layers = routed_layers(cfg) if layers is None else tuple(layers)
+    layers = routed_layers(cfg) if layers is None else check_routable(cfg, layers)
     sites = [block_site(l, f"hook_{s}") for l in layers for s in ("q", "k")]
     acts = collect_activations(model, variables, prompts, sites, batch_size=batch_size, progress=progress)
     parts = {k: [] for k in _ARRAYS}

@@ -38,6 +38,35 @@ def test_routed_layers_are_the_last_third():
     assert R.routed_layers(linicl.preset("tiny-llama", n_layers=30)) == tuple(range(20, 30))
 
 
+def test_a_model_with_local_layers_routes_its_global_layers():
+    """Gemma's local windows have no logits site: the last third keeps its global layers only, an
+    explicit local layer is refused by name, and the router then works as on any softmax model (the
+    cached prefix starts at the routed layer, past two local ones)."""
+    from helpers import FIXTURES
+    model, variables, _ = linicl.lm.from_pretrained(FIXTURES / "gemma3-tiny", dtype="float64")
+    assert R.routed_layers(model.cfg) == (2,)
+    gemma18 = model.cfg.replace(n_layers=18, layer_types=tuple("global" if l % 6 == 5 else "local"
+                                                               for l in range(18)))
+    assert R.routed_layers(gemma18) == (17,)
+    with pytest.raises(LiniclError, match="no global layer"):
+        R.routed_layers(gemma18.replace(n_layers=3, layer_types=("global", "local", "local")))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.cfg.vocab_size, rng.integers(5, 14)).astype(np.int32) for _ in range(12)]
+    with pytest.raises(LiniclError, match=r"global layers \(2,\).*got \(1,\)"):
+        R.extract_pids(model, variables, prompts, layers=[1], r=2)
+    pids = R.extract_pids(model, variables, prompts, r=2)
+    router, params = _random_router(model, pids)
+    toks = tokens(5, 2, 9, model.cfg.vocab_size)
+    name = f"blocks.{pids.layers[0]}.hook_resid_pre"
+    h0 = capture(model, variables, toks, names=[name])[1][name]
+    lengths = jnp.array([9, 6])
+    cached, (alpha, gamma) = R.routed_logits(model, variables, pids, router, params, h0, lengths)
+    edited = with_edits(variables, R.routing_edits(pids, alpha, gamma), model.cfg)
+    full = last_token_logits(model)(edited, toks, lengths)
+    assert rel_err(cached, full) <= EXACT_RTOL
+    assert rel_err(full, last_token_logits(model)(variables, toks, lengths)) >= BASELINE_MIN
+
+
 def test_pca_recovers_a_planted_subspace():
     rng = np.random.default_rng(0)
     basis, _ = np.linalg.qr(rng.normal(size=(40, 3)))  # the planted 3-d subspace of R^40
