@@ -19,7 +19,8 @@ Methods (``--methods``), each with the floats its state holds for one prompt row
   (``--cache-rules attention``; ``ModelConfig.cache_rule``);
 * ``window<W>``: sliding-window softmax with the student's sinks and no linear part, no training
   (``linearize.window_config``), at the student's window and at the window whose KV cache holds as
-  many floats as the student's state (``equal``);
+  many floats as the student's state (``equal``; with local layers, their windows counted per kv head,
+  ``student_budget``);
 * ``window<W>+attcache<C>`` (``--window-caches C``): a window plus a per-head cache of C tokens that
   left it, chosen by the attention they got while in it, W such that the whole state holds no more
   floats than the student's (no linear part, no training).
@@ -128,11 +129,27 @@ def load_models(args):
     return teacher, tv, loaded.tokenizer, student, sv
 
 
+def student_budget(student) -> int:
+    """The floats the student must keep of a prompt: its state as stored, except that its local layers'
+    exact windows count once per kv head, as a window baseline's KV does (they are softmax windows,
+    which grouped-query heads share; the zoo stores them per query head: benchmarks/decode_memory.py)."""
+    cfg = student.cfg
+    local = [l for l in range(cfg.n_layers) if l not in cfg.global_layers]
+    shared = 2 * cfg.kv_heads * cfg.head_dim * max(cfg.sliding_window - 1, 0)
+    return iclca.state_floats(cfg) - sum(iclca.state_floats(cfg.single_layer(l)) - shared for l in local)
+
+
 def equal_window(student, teacher) -> int:
-    """The window W whose KV cache (its W - 1 earlier tokens and the student's sinks, a key and a value
-    per kv head and layer) holds as many floats as the student's state as stored."""
-    per_token = kv_cache_floats(teacher.cfg, 1)
-    return max(1, iclca.state_floats(student.cfg) // per_token - student.cfg.sinks + 1)
+    """The largest window W whose KV cache (its W - 1 earlier tokens and the student's sinks, a key and
+    a value per kv head and layer; a local layer's at most its own window) holds no more floats than
+    the student must keep (``student_budget``); at least 1."""
+    budget = student_budget(student)
+    floats = lambda w: _window_floats(linearize.window_config(teacher.cfg, window=w, sinks=student.cfg.sinks))  # noqa: E731
+    lo, hi = 1, budget // (2 * teacher.cfg.kv_heads * teacher.cfg.head_dim) + 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if floats(mid) <= budget else (lo, mid - 1)
+    return lo
 
 
 def window_floats(model) -> int:
@@ -140,15 +157,18 @@ def window_floats(model) -> int:
     per kv head (its buffers are per query head, which a grouped-query window need not be); with a
     cache, per query head (each chooses its own tokens) each cached key, value and score, and the
     window's scores."""
-    cfg = model.cfg
+    return _window_floats(model.cfg)
+
+
+def _window_floats(cfg) -> int:
     per_head = cfg.cache * (2 * cfg.head_dim + 1) + max(cfg.window - 1, 0) if cfg.cache else 0
-    return kv_cache_floats(cfg, cfg.window - 1 + cfg.sinks) + cfg.n_layers * cfg.n_heads * per_head
+    return kv_cache_floats(cfg, cfg.window - 1 + cfg.sinks) + len(cfg.global_layers) * cfg.n_heads * per_head
 
 
 def equal_cached_window(student, teacher, cache: int) -> int:
     """The largest window W whose window + attention-chosen cache of ``cache`` tokens (``window_floats``)
     holds no more floats than the student's state; None if even W = 1 does not fit."""
-    budget = iclca.state_floats(student.cfg)
+    budget = student_budget(student)
     fits = lambda w: window_floats(linicl.Transformer(linearize.window_config(  # noqa: E731
         teacher.cfg, window=w, sinks=student.cfg.sinks, cache=cache))) <= budget
     if not fits(1):
@@ -307,6 +327,10 @@ def tables(report: dict) -> str:
         lines += ["", "State floats per prompt row at the longest prompt evaluated (students: as stored; windows: the KV of "
                       "their sinks and window; softmax: its KV cache): "
                   + ", ".join(f"{m} {sizes[m]:,}" for m in methods if m in sizes)]
+        if report.get("student_budget") not in (None, sizes.get("student")):
+            lines += ["", f"The student must keep {report['student_budget']:,} of its floats: its local layers' exact "
+                          f"windows are stored per query head but need one copy per kv head, as the windows' KV is "
+                          f"counted; the equal-state window matches that."]
     conv = [(key, m, r["converted"]) for key, c in cells.items() for m, r in c["methods"].items() if "converted" in r]
     if conv:
         worst = max(x["max_rel_err"] for _, _, x in conv)
@@ -389,6 +413,7 @@ def main(argv=None) -> int:
     # each method's state at the longest prompt it was evaluated on (later cells override earlier ones)
     report["state_floats"] = {m: r["state_floats"] for c in sorted(cells.values(), key=lambda c: c["tokens"])
                               for m, r in c["methods"].items()}
+    report["student_budget"] = student_budget(student)
     report["vs_equal_window"] = versus(cells, ms)
     if "loss" in args.probes:
         rows = loss_rows(tok, filler, args)

@@ -65,6 +65,14 @@ EXPERIMENTS = {
         plots=["icl_baselines.png"],
         reference="No paper reports SmolLM2-135M on these tasks; the ICR paper's baselines are for larger "
                   "models (routing.md)."),
+    "icl_baselines_gemma3": dict(
+        title="Zero- vs k-shot ICL of Gemma 3 270M (base)",
+        cmd=["experiments/icl_baselines.py", "--model", "gemma3"], quick=["--quick"],
+        full=["--k", "0", "4", "8"], json="icl_baselines.json", plots=["icl_baselines.png"],
+        reference="No paper reports Gemma 3 270M on these tasks; the ICR paper's baselines are for larger "
+                  "models (routing.md).",
+        note="k = 0, 4, 8 (SmolLM2's table adds k = 1), 16 queries per task and k, the same seeded queries "
+             "and demonstrations as SmolLM2's; BOS first, as Gemma's tokenizer says."),
     "approx_conversion": dict(
         title="Approximate conversion of softmax prompts on SmolLM2",
         cmd=["experiments/approx_conversion.py", "--resume"], quick=["--quick"], json="approx_conversion.json",
@@ -192,6 +200,18 @@ EXPERIMENTS = {
                   "linearized Llama-3-8B with no training; a 2026 study (arXiv 2608.28444): window 64 + 4 sinks "
                   "with no training keeps 17-23 % of full attention on 4K needle tests, LoLCATs <= 5.8 % "
                   "(linearization.md section 7; their figures, not re-measured)."),
+    "long_context_gemma3": dict(
+        title="Long prompts on Gemma 3 270M: passkey and 128-shot ICL past the 512-token local windows",
+        cmd=["experiments/long_context.py", "--model", "gemma3", "--maps",
+             "linicl/linearize/artifacts/gemma3_maps.safetensors", "--resume"], quick=["--quick"],
+        full=["--lengths", "1024", "2048", "--n", "8", "--probes", "passkey", "shots", "--shot-tasks",
+              "country-capital", "--caches", "0", "--convert-check", "2"],
+        json="long_context.json", plots=["long_context.png"],
+        note="the student is the shipped linearized Gemma 3 (maps on the 3 global layers; the 15 local layers "
+             "keep their exact 512-key windows). Its equal-state window counts the local windows once per kv "
+             "head, as the windows' KV is counted (the zoo stores them per query head: decode_memory).",
+        reference="No paper reports Gemma 3 270M on long prompts; LoLA (arXiv 2505.23666) and the 2026 study "
+                  "(arXiv 2608.28444) report passkey for linearized Llama models (linearization.md section 7)."),
     "eval_speed": dict(
         title="Benchmark: greedy evaluation with the decode cache against prefix re-runs",
         cmd=["experiments/benchmarks/eval_speed.py"], quick=["--quick"],
