@@ -79,6 +79,12 @@ EXPERIMENTS = {
         plots=["accuracy.png", "kl.png"],
         reference="ICLCA (iclca.md section 7) describes the kernel approximation and its synthetic test; "
                   "it publishes no numbers for a pretrained LM."),
+    "approx_conversion_gemma3": dict(
+        title="Approximate conversion of softmax prompts on Gemma 3 270M (global layers approximated, local windows exact)",
+        cmd=["experiments/approx_conversion.py", "--model", "gemma3", "--resume"], quick=["--quick"],
+        json="approx_conversion.json", plots=["accuracy.png", "kl.png"],
+        reference="ICLCA (iclca.md section 7) describes the kernel approximation and its synthetic test; "
+                  "it publishes no numbers for a pretrained LM."),
     "routing": dict(
         title="In-Context Routing on SmolLM2 (ID and OOD tasks, random-basis control)",
         cmd=["experiments/routing.py", "--resume"], quick=["--quick"], json="routing.json",
