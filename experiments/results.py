@@ -71,8 +71,9 @@ EXPERIMENTS = {
         full=["--k", "0", "4", "8"], json="icl_baselines.json", plots=["icl_baselines.png"],
         reference="No paper reports Gemma 3 270M on these tasks; the ICR paper's baselines are for larger "
                   "models (routing.md).",
-        note="k = 0, 4, 8 (SmolLM2's table adds k = 1), 16 queries per task and k, the same seeded queries "
-             "and demonstrations as SmolLM2's; BOS first, as Gemma's tokenizer says."),
+        note="k = 0, 4, 8 (SmolLM2's table adds k = 1), 16 queries per task and k, seed 0 as SmolLM2's; BOS "
+             "first, as Gemma's tokenizer says. The 2 cores were shared with other Gemma runs for most of the "
+             "wall time."),
     "approx_conversion": dict(
         title="Approximate conversion of softmax prompts on SmolLM2",
         cmd=["experiments/approx_conversion.py", "--resume"], quick=["--quick"], json="approx_conversion.json",
