@@ -68,5 +68,6 @@ def test_kv_cache_floats_counts_the_decode_cache_of_a_prompt(n_kv_heads):
     cfg = linicl.preset("tiny-gpt2", dtype="float64", n_heads=4, n_kv_heads=n_kv_heads)
     model, variables = init(cfg)
     n = 7
-    kv = iclca._prompt_kv_fn(model)(variables, tokens(0, 1, n, cfg.vocab_size))
-    assert kv_cache_floats(cfg, n) == sum(int(k.size + v.size) for k, v in kv)
+    kv, local = iclca._prompt_kv_fn(model)(variables, tokens(0, 1, n, cfg.vocab_size))
+    assert not local and sorted(kv) == list(range(cfg.n_layers))
+    assert kv_cache_floats(cfg, n) == sum(int(k.size + v.size) for k, v in kv.values())
