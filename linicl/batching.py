@@ -30,6 +30,7 @@ from linicl import compiled
 from linicl.config import ModelConfig
 from linicl.data.prompts import PromptBatch
 from linicl.errors import LiniclError, SequenceTooLongError
+from linicl.nn.transformer import unembed  # re-exported: batching.unembed
 from linicl.parallel import device_mesh, replicate, shard_batch
 
 
@@ -210,14 +211,6 @@ def last_positions(x: jax.Array, lengths: jax.Array, axis: int = 1) -> jax.Array
     moved = jnp.moveaxis(x, axis, 1)
     idx = (jnp.asarray(lengths) - 1).astype(jnp.int32).reshape((-1, 1) + (1,) * (moved.ndim - 2))
     return jnp.take_along_axis(moved, idx, axis=1)[:, 0]
-
-
-def unembed(cfg: ModelConfig, params, h: jax.Array) -> jax.Array:
-    """Logits ``f[..., vocab]`` of final hidden states ``h: f[..., d_model]`` (after the final norm):
-    the tied embedding's transpose or the separate ``unembed`` matrix, as the model does."""
-    if cfg.tie_embeddings:
-        return h @ params["embed"].T
-    return h @ params["unembed"]["kernel"]
 
 
 def last_token_logits(model) -> Callable:

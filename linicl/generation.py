@@ -25,7 +25,7 @@ from linicl import compiled
 from linicl._validate import check_fits, check_tokens, is_concrete
 from linicl.errors import LiniclError
 from linicl.names import DECODE, POSITION, PROMPT_APPROX
-from linicl.nn.transformer import config_of, position_offset
+from linicl.nn.transformer import config_of, position_offset, unembed
 
 FAILED = -1  # the token generated from logits that are not finite (NaN or inf)
 
@@ -52,9 +52,10 @@ def _prefill_fn(model):
     columns; the rest is right padding (``_padded_length``), which the returned state forgets. One
     compile per padded length T: prompts of other lengths in the same bucket reuse it."""
     def prefill(variables, tokens, length):
-        logits, state = model.apply(variables, tokens, mutable=[DECODE])
-        last = jax.lax.dynamic_index_in_dim(logits, length - 1, axis=1, keepdims=False)
-        return _forget_padding(state, tokens.shape[1] - length), last
+        # Only the last prompt token is unembedded: never the [batch, T, vocab] logits.
+        h, state = model.apply(variables, tokens, hidden=True, mutable=[DECODE])
+        last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=1, keepdims=False)
+        return _forget_padding(state, tokens.shape[1] - length), unembed(config_of(model), variables["params"], last)
     return compiled.get(("generate.prefill", model), lambda: jax.jit(prefill))
 
 

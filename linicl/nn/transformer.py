@@ -47,6 +47,16 @@ def position_offset(variables: Mapping[str, Any]) -> jax.Array:
     return jnp.asarray(variables.get(POSITION, {}).get("offset", 0), jnp.int32)
 
 
+def unembed(cfg: ModelConfig, params, h: jax.Array) -> jax.Array:
+    """Logits ``f[..., vocab]`` of final hidden states ``h: f[..., d_model]`` (``Transformer(...,
+    hidden=True)``, after the final norm): the tied embedding's transpose or the separate ``unembed``
+    matrix, as the model does. Unembedding only the rows one needs (a prompt's last token) spares the
+    rest of the ``[batch, seq, vocab]`` logits (Gemma 3: 262,144 entries a token)."""
+    if cfg.tie_embeddings:
+        return h @ params["embed"].T
+    return h @ params["unembed"]["kernel"]
+
+
 class Transformer(nn.Module):
     """The zoo's model. Sites: ``hook_embed``, ``hook_pos_embed``, ``ln_final.hook_normalized`` (all
     ``[batch, seq, d_model]``) and those of every block (``linicl.nn.block``)."""
