@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -143,41 +144,38 @@ def equal_window(student, teacher) -> int:
     """The largest window W whose KV cache (its W - 1 earlier tokens and the student's sinks, a key and
     a value per kv head and layer; a local layer's at most its own window) holds no more floats than
     the student must keep (``student_budget``); at least 1."""
-    budget = student_budget(student)
-    floats = lambda w: _window_floats(linearize.window_config(teacher.cfg, window=w, sinks=student.cfg.sinks))  # noqa: E731
-    lo, hi = 1, budget // (2 * teacher.cfg.kv_heads * teacher.cfg.head_dim) + 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if floats(mid) <= budget else (lo, mid - 1)
-    return lo
+    return _largest_window(student, teacher, cache=0) or 1
 
 
-def window_floats(model) -> int:
-    """What a window baseline must keep of a prompt: the KV of its sinks and last ``window - 1`` tokens,
-    per kv head (its buffers are per query head, which a grouped-query window need not be); with a
-    cache, per query head (each chooses its own tokens) each cached key, value and score, and the
-    window's scores."""
-    return _window_floats(model.cfg)
-
-
-def _window_floats(cfg) -> int:
-    per_head = cfg.cache * (2 * cfg.head_dim + 1) + max(cfg.window - 1, 0) if cfg.cache else 0
-    return kv_cache_floats(cfg, cfg.window - 1 + cfg.sinks) + len(cfg.global_layers) * cfg.n_heads * per_head
-
-
-def equal_cached_window(student, teacher, cache: int) -> int:
+def equal_cached_window(student, teacher, cache: int) -> Optional[int]:
     """The largest window W whose window + attention-chosen cache of ``cache`` tokens (``window_floats``)
-    holds no more floats than the student's state; None if even W = 1 does not fit."""
+    holds no more floats than the student must keep; None if even W = 1 does not fit."""
+    return _largest_window(student, teacher, cache)
+
+
+def _largest_window(student, teacher, cache: int) -> Optional[int]:
+    """Binary search for the largest W with ``window_floats`` of the window baseline (the student's
+    sinks, ``cache``) <= ``student_budget``; None if W = 1 does not fit. Every token of the window
+    costs at least one layer's key and value, so W - 1 <= budget / (2 kv_heads d_head) bounds it."""
     budget = student_budget(student)
-    fits = lambda w: window_floats(linicl.Transformer(linearize.window_config(  # noqa: E731
-        teacher.cfg, window=w, sinks=student.cfg.sinks, cache=cache))) <= budget
+    fits = lambda w: window_floats(linearize.window_config(  # noqa: E731
+        teacher.cfg, window=w, sinks=student.cfg.sinks, cache=cache)) <= budget
     if not fits(1):
         return None
-    lo, hi = 1, equal_window(student, teacher)  # a cache only costs floats: W is at most the plain one
+    lo, hi = 1, budget // (2 * teacher.cfg.kv_heads * teacher.cfg.head_dim) + 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+def window_floats(cfg) -> int:
+    """What a window baseline (its config ``cfg``) must keep of a prompt: the KV of its sinks and last
+    ``window - 1`` tokens, per kv head (its buffers are per query head, which a grouped-query window
+    need not be); with a cache, per global layer and query head (each chooses its own tokens) each
+    cached key, value and score, and the window's scores."""
+    per_head = cfg.cache * (2 * cfg.head_dim + 1) + max(cfg.window - 1, 0) if cfg.cache else 0
+    return kv_cache_floats(cfg, cfg.window - 1 + cfg.sinks) + len(cfg.global_layers) * cfg.n_heads * per_head
 
 
 def methods(teacher, tv, student, sv, args) -> dict:
@@ -254,7 +252,7 @@ def cell(name, model, variables, finite, prompts, tok, args, max_new: int, keyed
         correct = np.asarray([lc.key_answered(a, p.label) for a, p in zip(res.predictions, prompts)])
     row = scored_row(name, correct, res.predictions, prompts, t0)
     if finite:
-        row["state_floats"] = (window_floats(model) if model.cfg.feature_map == "none"
+        row["state_floats"] = (window_floats(model.cfg) if model.cfg.feature_map == "none"
                                else iclca.state_floats(model.cfg))
         checked = len(prompts) if args.convert_check is None else min(args.convert_check, len(prompts))
         if checked:
