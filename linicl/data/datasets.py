@@ -13,6 +13,7 @@ data sets. Paths below are relative to that root (the layout of the project's sh
     classification/agnews/test.csv                 header "Class Index,Title,Description" (csv)
     classification/cb/{train,val}.jsonl            {"premise", "hypothesis", "label"}  (jsonl)
     word_tasks/<name>.json                         [{"input": ..., "output": ...}, ...] (pairs_json)
+    icr/<task>/...                                 the ICR paper's suite (below; each spec says)
 
 The shipped tasks and their splits (``Task.train`` is the demonstration pool, ``Task.test`` the
 evaluation set):
@@ -23,6 +24,11 @@ evaluation set):
   into an evaluation set of ``test_size`` rows (default 1,000) and a demo pool (the rest).
 * ``cb``: train.jsonl (250) / val.jsonl (56, the SuperGLUE validation set that papers report on);
   test.jsonl has no labels and is not read.
+* the rest of the ICR paper's suite (routing.md section 4; Table-6 templates, answers as letters for
+  multiple choice): ``csqa`` (official train / dev), ``piqa`` (only the validation file is public
+  offline: 500 evaluation items, the rest a pool), ``sst5``, ``mr`` (one cp1252 file: 1,000 evaluation
+  items), ``mrpc`` (tab-separated), ``cb_abc`` (cb's files, A/B/C), ``copa`` (train / val), ``creak``
+  (train / dev), ``ai2sci`` (AI2 elementary science, the items with four options).
 * every ``word_tasks/<name>.json`` as ``<name>``: split deterministically into test (``test_size``,
   default 30 %) and demo pool. ``commonsense_qa`` (letters a-e) and ``sentiment`` (negative/positive)
   have a closed label set (a list in their specs) and are split stratified; the others are open-ended
@@ -60,7 +66,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from linicl.data.specs import SPEC_DIR, FileSpec, TaskSpec, all_specs, find_spec
+from linicl.data.specs import (CHOICE_LETTERS, CHOICES_SLOT, SPEC_DIR, FileSpec, TaskSpec, all_specs,
+                               find_spec)
 from linicl.errors import DataError, LiniclError  # noqa: F401  (DataError is part of this module's API)
 
 ENV_VAR = "LINICL_DATA_DIR"
@@ -210,16 +217,18 @@ def _checked(path: Path, spec: TaskSpec, file: FileSpec, root: Path, checksum: b
     return path
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, encoding: str = "utf-8") -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding=encoding)
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid UTF-8 at byte {e.start} (re-save the file as UTF-8)") from None
+        name = {"utf-8": "UTF-8", "cp1252": "cp1252"}.get(encoding, encoding)
+        raise DataError(f"{path}: not valid {name} at byte {e.start} (re-save the file as UTF-8, or give its "
+                        f"spec the file's encoding)") from None
 
 
-def _lines(path: Path):
+def _lines(path: Path, encoding: str = "utf-8"):
     """(line number, stripped line) for every non-blank line; blank lines are skipped."""
-    for no, line in enumerate(_read_text(path).splitlines(), start=1):
+    for no, line in enumerate(_read_text(path, encoding).splitlines(), start=1):
         if line.strip():
             yield no, line.strip()
 
@@ -275,11 +284,17 @@ def _label(path: Path, where: str, raw: str, words: Mapping[str, str] | None) ->
 def _from_fields(path: Path, where: str, spec: TaskSpec, values: Sequence[str], raw_label: str,
                  words: Mapping[str, str] | None) -> Example:
     """An example from the raw values of the spec's fields (in order): cleaned, named, joined."""
+    return _from_named(path, where, spec, list(zip([n for n, _ in spec.fields], values)), raw_label, words)
+
+
+def _from_named(path: Path, where: str, spec: TaskSpec, named: Sequence[tuple[str, str]], raw_label: str,
+                words: Mapping[str, str] | None) -> Example:
+    """An example from (field name, raw value) pairs: cleaned, joined into the whole input."""
     clean = CLEANERS[spec.clean]
-    named = tuple((name, clean(v)) for (name, _), v in zip(spec.fields, values))
+    named = tuple((name, clean(v)) for name, v in named)
     text = JOINS[spec.join]([v for _, v in named])
     if not text.strip():
-        raise _bad(path, where, f"empty input (fields {[name for name, _ in spec.fields]})")
+        raise _bad(path, where, f"empty input (fields {[name for name, _ in named]})")
     return Example(text, _label(path, where, raw_label, words), named)
 
 
@@ -288,7 +303,7 @@ def _from_fields(path: Path, where: str, spec: TaskSpec, values: Sequence[str], 
 
 def _parse_label_text(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
     out = []
-    for no, line in _lines(path):
+    for no, line in _lines(path, spec.encoding):
         raw, _, text = line.partition(" ")
         text = CLEANERS[spec.clean](text)
         if not text or (words is not None and raw not in words):
@@ -300,7 +315,7 @@ def _parse_label_text(path: Path, spec: TaskSpec, words: Mapping[str, str] | Non
 
 def _parse_trec(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
     out = []
-    for no, line in _lines(path):
+    for no, line in _lines(path, spec.encoding):
         head, _, text = line.partition(" ")
         coarse, colon, fine = head.partition(":")
         text = CLEANERS[spec.clean](text)
@@ -312,7 +327,7 @@ def _parse_trec(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> 
 
 
 def _parse_csv(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
-    rows = csv.reader(io.StringIO(_read_text(path), newline=""))
+    rows = csv.reader(io.StringIO(_read_text(path, spec.encoding), newline=""))
     header = next(rows, None) or []
     columns = [col for _, col in spec.fields] + [spec.label_field]
     if missing := [col for col in columns if col not in header]:
@@ -332,27 +347,98 @@ def _parse_csv(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> l
     return out
 
 
-def _parse_jsonl(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
-    keys = [key for _, key in spec.fields]
+def _parse_tsv(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
+    """Tab-separated with a header row and no quoting (MRPC's sentences hold unbalanced quotes)."""
+    lines = _read_text(path, spec.encoding).lstrip("\ufeff").splitlines()
+    header = lines[0].split("\t") if lines else []
+    columns = [col for _, col in spec.fields] + [spec.label_field]
+    if missing := [col for col in columns if col not in header]:
+        raise _bad(path, "line 1", f"expected a tab-separated header with the columns {columns} (spec "
+                   f"{spec.where}), got {header}; missing {missing}")
+    at = [header.index(col) for col in columns]
     out = []
-    for no, line in _lines(path):
+    for no, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        row = line.split("\t")
+        if len(row) != len(header):
+            raise _bad(path, f"line {no}", f"expected {len(header)} tab-separated fields, got {len(row)}: "
+                       f"{line[:80]!r}")
+        values = [row[i] for i in at]
+        out.append(_from_fields(path, f"line {no}", spec, values[:-1], values[-1], words))
+    return out
+
+
+def _get(obj, key: str):
+    """``obj[key]``, where "a.b" reads obj["a"]["b"]; None when a part is missing."""
+    for part in key.split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(part)
+    return obj
+
+
+def _choice_list(path: Path, where: str, spec: TaskSpec, obj, raw_label: str):
+    """(the options as lines "A. text", the letter of the option that ``raw_label`` names), or None
+    for an item the spec's ``choices.count`` leaves out."""
+    ch = spec.choices
+    options = _get(obj, ch.key)
+    ok = isinstance(options, list) and 2 <= len(options) <= len(CHOICE_LETTERS) and all(
+        isinstance(o, dict) and isinstance(o.get(ch.text), str)
+        and (ch.label is None or isinstance(o.get(ch.label), str)) for o in options)
+    if not ok:
+        raise _bad(path, where, f"expected {ch.key!r} to hold a list of 2 to {len(CHOICE_LETTERS)} objects with "
+                   f"a string {ch.text!r}{'' if ch.label is None else f' and a string {ch.label!r}'}")
+    if ch.count is not None and len(options) != ch.count:
+        return None
+    names = [str(i) for i in range(len(options))] if ch.label is None else [o[ch.label] for o in options]
+    if raw_label not in names:
+        raise _bad(path, where, f"the answer {raw_label!r} is none of the options {names}")
+    lines = "\n".join(f"{CHOICE_LETTERS[i]}. {CLEANERS[spec.clean](o[ch.text])}" for i, o in enumerate(options))
+    return lines, CHOICE_LETTERS[names.index(raw_label)]
+
+
+def _label_lines(label_path: Path, n_rows: int, data_path: Path) -> list[str]:
+    labels = [line for _, line in _lines(label_path)]
+    if len(labels) != n_rows:
+        raise DataError(f"{label_path}: {len(labels)} labels for the {n_rows} rows of {data_path}: the two "
+                        f"files must align line by line")
+    return labels
+
+
+def _parse_jsonl(path: Path, spec: TaskSpec, words: Mapping[str, str] | None,
+                 label_path: Path | None = None) -> list[Example]:
+    keys = [key for _, key in spec.fields]
+    rows = list(_lines(path, spec.encoding))
+    labels = _label_lines(label_path, len(rows), path) if label_path is not None else None
+    out = []
+    for j, (no, line) in enumerate(rows):
+        where = f"line {no}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise _bad(path, f"line {no}", f"invalid JSON ({e.msg})") from None
-        label = obj.get(spec.label_field) if isinstance(obj, dict) else None
+            raise _bad(path, where, f"invalid JSON ({e.msg})") from None
+        label = labels[j] if labels is not None else _get(obj, spec.label_field)
         if isinstance(label, int) and not isinstance(label, bool):
             label = str(label)  # integer class ids read as their decimal strings
-        if not all(isinstance(obj.get(k), str) for k in keys) or not isinstance(label, str):
-            raise _bad(path, f"line {no}", f"expected an object with string {', '.join(keys)}, "
-                       f"{spec.label_field}")
-        out.append(_from_fields(path, f"line {no}", spec, [obj[k] for k in keys], label, words))
+        values = [_get(obj, k) for k in keys]
+        if not all(isinstance(v, str) for v in values) or not isinstance(label, str):
+            raise _bad(path, where, f"expected an object with string {', '.join(keys)}"
+                       f"{'' if labels is not None else ', ' + spec.label_field}")
+        named = list(zip([n for n, _ in spec.fields], values))
+        if spec.choices is not None:
+            picked = _choice_list(path, where, spec, obj, label.strip())
+            if picked is None:
+                continue
+            options, label = picked
+            named.append((CHOICES_SLOT, options))
+        out.append(_from_named(path, where, spec, named, label, words))
     return out
 
 
 def _parse_pairs_json(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
     try:
-        items = json.loads(_read_text(path))
+        items = json.loads(_read_text(path, spec.encoding))
     except json.JSONDecodeError as e:
         raise _bad(path, f"line {e.lineno}", f"invalid JSON ({e.msg})") from None
     if not isinstance(items, list) or not items:
@@ -369,8 +455,8 @@ def _parse_pairs_json(path: Path, spec: TaskSpec, words: Mapping[str, str] | Non
 
 # Keyed by the names of the spec format (specs.FORMATS).
 PARSERS: dict[str, Callable[[Path, TaskSpec, Mapping[str, str] | None], list[Example]]] = {
-    "label_text": _parse_label_text, "trec": _parse_trec, "csv": _parse_csv, "jsonl": _parse_jsonl,
-    "pairs_json": _parse_pairs_json}
+    "label_text": _parse_label_text, "trec": _parse_trec, "csv": _parse_csv, "tsv": _parse_tsv,
+    "jsonl": _parse_jsonl, "pairs_json": _parse_pairs_json}
 
 
 # ----------------------------------------------------------------------------- deterministic splits
@@ -420,7 +506,7 @@ def list_tasks(data_dir: str | os.PathLike | None = None, *, answers: str | None
         raise LiniclError(f"answers must be None, 'open' or 'closed', got {answers!r}")
     root = resolve_data_dir(data_dir)
     return [name for name, spec in all_specs(root).items()
-            if all((root / f.path).is_file() for _, f in spec.files)
+            if all((root / f.path).is_file() for _, f in spec.files + spec.label_files)
             and (answers is None or (spec.labels is None) == (answers == "open"))]
 
 
@@ -478,15 +564,19 @@ def load_task(name: str, data_dir: str | os.PathLike | None = None, *,
     words = _label_words(spec, label_words)
     labels = None if words is None else tuple(words.values())
     paths = {role: _file(root, spec, f, verify) for role, f in spec.files}
-    parse = PARSERS[spec.format]
+    label_paths = {role: _file(root, spec, f, verify) for role, f in spec.label_files}
+
+    def parse(role):
+        more = {"label_path": label_paths[role]} if role in label_paths else {}
+        return PARSERS[spec.format](paths[role], spec, words, **more)
     if spec.fixed_split:
         if test_size is not None:
             raise LiniclError(f"test_size: task {name!r} has fixed train/test files; leave it None")
-        train, test = (tuple(parse(paths[role], spec, words)) for role in ("train", "test"))
+        train, test = (tuple(parse(role)) for role in ("train", "test"))
         for role, part in (("train", train), ("test", test)):
             _check_split(spec, role, part, str(paths[role]), root, labels)
     else:
-        examples = parse(paths["all"], spec, words)
+        examples = parse("all")
         _check_split(spec, "all", examples, str(paths["all"]), root, labels)
         n = _n_test(spec.test_size if test_size is None else test_size, len(examples), name)
         train, test = split_examples(examples, n, split_seed, labels)

@@ -143,9 +143,10 @@ def _normalise(segs: list[Segment]) -> list[Segment]:
     return _merge(segs)  # a separator of spaces only is now empty
 
 
-# Ready-made templates. sst2/trec/agnews follow the ICR paper's Table 6 (routing.md §4), with the
-# template fields on separate lines; cb is the GPT-3 / Zhao et al. (2021) "true, false, or neither"
-# format; cb_abc the ICR paper's A/B/C format (load the task with CB_LABEL_WORDS_ABC); qa is the
+# Ready-made templates. sst2/trec/agnews and the ICR suite (csqa ... ai2sci; mr uses sst2) follow the
+# ICR paper's Table 6 (routing.md §4), with the template fields on separate lines (multiple choice:
+# the options as lines "A. ...", then "Answer (A/B/...):"); cb is the GPT-3 / Zhao et al. (2021) "true,
+# false, or neither" format; cb_abc the ICR paper's A/B/C format (task cb_abc); qa is the
 # function-vectors format used for the word tasks.
 TEMPLATES: dict[str, Template] = {
     "qa": Template(),
@@ -156,6 +157,15 @@ TEMPLATES: dict[str, Template] = {
                    output_prefix="Answer:"),
     "cb_abc": Template(input_prefix="", input_format="Premise: {premise}\nHypothesis: {hypothesis}\n"
                        "A. Entailment\nB. Contradiction\nC. Neutral", output_prefix="Answer (A/B/C):"),
+    "csqa": Template(input_prefix="Question: ", input_format="{stem}\n{choices}", output_prefix="Answer (A/B/C/D/E):"),
+    "piqa": Template(input_prefix="Goal: ", input_format="{goal}\nA. {sol1}\nB. {sol2}", output_prefix="Answer (A/B):"),
+    "sst5": Template(input_prefix="Sentence: ", output_prefix="Sentiment:"),
+    "mrpc": Template(input_prefix="", input_format="Sentence 1: {sentence1}\nSentence 2: {sentence2}\n"
+                     "A. Paraphrase\nB. Not paraphrase", output_prefix="Answer (A/B):"),
+    "copa": Template(input_prefix="Premise: ", input_format="{premise}\nWhat was the {question}?\nA. {choice1}\n"
+                     "B. {choice2}", output_prefix="Answer (A/B):"),
+    "creak": Template(input_prefix="Claim: ", output_prefix="Label:"),
+    "ai2sci": Template(input_prefix="Question: ", input_format="{stem}\n{choices}", output_prefix="Answer (A/B/C/D):"),
 }
 
 

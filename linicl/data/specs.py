@@ -14,18 +14,31 @@ Keys of a spec (``?``: optional)::
                       "label_text"  one example a line, "<label> <text>" (SST-2)
                       "trec"        one example a line, "COARSE:fine question"; the label is COARSE
                       "csv"         CSV with a header row; fields and label are named columns
-                      "jsonl"       one JSON object a line; fields and label are named keys
+                      "tsv"         tab-separated with a header row, no quoting (a quote is text,
+                                    MRPC); a leading byte-order mark is dropped
+                      "jsonl"       one JSON object a line; fields and label are named keys; a key
+                                    "a.b" reads obj["a"]["b"] (nested objects: CommonsenseQA, ARC)
                       "pairs_json"  a JSON list of {"input": ..., "output": ...} (the word tasks)
     files           {"train": FILE, "test": FILE}: a fixed split (demo pool, evaluation set); or
                     {"all": FILE}: one file split in hash order into test_size evaluation rows and a
                     demo pool, stratified by label when the labels are closed
     test_size     ? with "all": the default size of the evaluation set, an int count or a fraction
                     in (0, 1) (default 0.3)
-    fields          csv and jsonl only: the parts of the input, a list of keys (column names), or an
-                    object {field name: key or column}; each becomes a template slot {field name}
-    label_field     csv and jsonl only: the key (column) holding the label, or the answer when open
+    fields          csv, tsv and jsonl only: the parts of the input, a list of keys (column names), or
+                    an object {field name: key or column}; each becomes a template slot {field name}
+    label_field     csv, tsv and jsonl only: the key (column) holding the label, or the answer when
+                    open; not with label_files
+    label_files   ? jsonl only: {role: FILE} for each role of files; the labels in a file of their
+                    own, one a line, aligned with the data file's rows (PIQA's valid-labels.lst)
+    choices       ? jsonl only: a multiple-choice list {"key": path to a list of objects, "text": key
+                    of an option's text, "label": key of an option's label (default: none; the answer
+                    is then its 0-based position), "count": keep only items with this many options
+                    (optional)}. It becomes the template slot {choices}, the options as lines
+                    "A. text", "B. text", ... (letters by position), and an example's raw label is the
+                    letter of the option whose label (or position) the label field holds
     join          ? how several fields make the whole input: "newline" (default), "space", or
                     "sentence" ("Title. Description", no doubled end punctuation)
+    encoding      ? of the data files: "utf-8" (default) or "cp1252" (Windows Latin-1, the MR files)
     clean         ? cleanup of every text: "strip" (default: surrounding whitespace) or "agnews"
                     (also undo the AG News escapes, see datasets._clean_agnews)
     labels          {raw label: label word, ...}: closed, in class order; load_task(label_words=...)
@@ -60,9 +73,10 @@ SPEC_DIR = "tasks"  # under the data directory
 WORD_DIR = "word_tasks"
 
 # The vocabularies of the spec format; linicl.data.datasets implements each name (a test ties them).
-FORMATS = ("label_text", "trec", "csv", "jsonl", "pairs_json")
+FORMATS = ("label_text", "trec", "csv", "tsv", "jsonl", "pairs_json")
 JOINS = ("newline", "space", "sentence")
 CLEANERS = ("strip", "agnews")
+ENCODINGS = ("utf-8", "cp1252")
 # The fields of linicl.data.prompts.Template (that module imports this package, so it is not read here).
 TEMPLATE_FIELDS = ("input_prefix", "output_prefix", "io_sep", "example_sep", "instruction", "label_prefix",
                    "input_format")
@@ -70,10 +84,12 @@ DEFAULT_TEST_SIZE = 0.3
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_KEYS = {"name", "description", "format", "files", "test_size", "fields", "label_field", "join", "clean",
-         "labels", "template", "licence", "license", "source", "extra_files"}
+_KEYS = {"name", "description", "format", "files", "test_size", "fields", "label_field", "label_files",
+         "choices", "encoding", "join", "clean", "labels", "template", "licence", "license", "source", "extra_files"}
 _REQUIRED = ("format", "files", "labels", "template")
-_NAMED = ("csv", "jsonl")  # formats whose input parts and label are named by the spec
+_NAMED = ("csv", "tsv", "jsonl")  # formats whose input parts and label are named by the spec
+CHOICE_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+CHOICES_SLOT = "choices"  # the template slot of a multiple-choice list
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,15 @@ class FileSpec:
     url: str | None = None
     sha256: str | None = None
     size: int | None = None
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """A multiple-choice list of a jsonl task (module docstring, key ``choices``)."""
+    key: str
+    text: str
+    label: str | None = None
+    count: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,8 +125,11 @@ class TaskSpec:
     word_map: bool = False
     fields: tuple[tuple[str, str], ...] = ()
     label_field: str | None = None
+    label_files: tuple[tuple[str, FileSpec], ...] = ()
+    choices: ChoiceSpec | None = None
     join: str = "newline"
     clean: str = "strip"
+    encoding: str = "utf-8"
     test_size: int | float | None = None
     licence: str = "unknown"
     source: str = "unknown"
@@ -119,8 +147,9 @@ class TaskSpec:
         return str(self.origin) if self.origin is not None else f"none: a bare {WORD_DIR}/{self.name}.json"
 
     def all_files(self) -> tuple[FileSpec, ...]:
-        """The data files, then the extra files: everything ``linicl data fetch`` downloads."""
-        return tuple(f for _, f in self.files) + self.extra_files
+        """The data files, their label files, then the extra files: everything ``linicl data fetch``
+        downloads."""
+        return tuple(f for _, f in self.files) + tuple(f for _, f in self.label_files) + self.extra_files
 
 
 # ----------------------------------------------------------------------------- reading one spec
@@ -196,7 +225,7 @@ def _test_size(c: _Checker, obj: dict, fixed: bool) -> int | float | None:
 
 def _fields(c: _Checker, obj: dict, fmt: str) -> tuple[tuple[tuple[str, str], ...], str | None]:
     if fmt not in _NAMED:
-        extra = [k for k in ("fields", "label_field") if k in obj]
+        extra = [k for k in ("fields", "label_field", "label_files", "choices") if k in obj]
         if extra:
             raise c.fail(extra[0], f"format {fmt!r} has fixed parts; fields and label_field are for "
                          f"{list(_NAMED)}")
@@ -208,7 +237,44 @@ def _fields(c: _Checker, obj: dict, fmt: str) -> tuple[tuple[tuple[str, str], ..
                             for n, k in pairs) or len({n for n, _ in pairs}) != len(pairs):
         raise c.fail("fields", f"format {fmt!r} needs the input's parts: a list of keys, or an object "
                      f"{{field name: key}}, with distinct identifier field names; got {raw!r:.80}")
+    if CHOICES_SLOT in {n for n, _ in pairs}:
+        raise c.fail("fields", f"{CHOICES_SLOT!r} is the slot of the choices key; name the field otherwise")
+    if "label_files" in obj:
+        if "label_field" in obj:
+            raise c.fail("label_field", "the labels come from label_files; give one or the other")
+        return tuple(pairs), None
     return tuple(pairs), c.text(obj, "label_field")
+
+
+def _label_files(c: _Checker, obj: dict, fmt: str, roles: tuple) -> tuple[tuple[str, FileSpec], ...]:
+    if "label_files" not in obj:
+        return ()
+    raw = obj["label_files"]
+    if fmt != "jsonl":
+        raise c.fail("label_files", f"only format 'jsonl' reads labels from files of their own, not {fmt!r}")
+    if not isinstance(raw, dict) or set(raw) != set(roles):
+        raise c.fail("label_files", f"expected an object with one file for each role of files {list(roles)}, "
+                     f"got {raw!r:.80}")
+    return tuple((role, c.file(f"label_files.{role}", raw[role])) for role in roles)
+
+
+def _choices(c: _Checker, obj: dict, fmt: str) -> ChoiceSpec | None:
+    if "choices" not in obj:
+        return None
+    raw = obj["choices"]
+    if fmt != "jsonl":
+        raise c.fail("choices", f"only format 'jsonl' reads a list of options, not {fmt!r}")
+    if not isinstance(raw, dict) or not {"key", "text"} <= set(raw) <= {"key", "text", "label", "count"}:
+        raise c.fail("choices", f"expected an object with keys key, text and optionally label, count; got "
+                     f"{raw!r:.80}")
+    for k in ("key", "text", "label"):
+        if k in raw:
+            c.text(raw, k)
+    count = raw.get("count")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int)
+                              or not 2 <= count <= len(CHOICE_LETTERS)):
+        raise c.fail("choices.count", f"expected an int in [2, {len(CHOICE_LETTERS)}], got {count!r}")
+    return ChoiceSpec(raw["key"], raw["text"], raw.get("label"), count)
 
 
 def _labels(c: _Checker, raw) -> tuple[tuple[tuple[str, str], ...] | None, bool]:
@@ -254,6 +320,8 @@ def parse_spec(obj, origin: Path) -> TaskSpec:
     fmt = c.choice(obj, "format", FORMATS)
     files = _files(c, obj)
     fields, label_field = _fields(c, obj, fmt)
+    label_files = _label_files(c, obj, fmt, tuple(role for role, _ in files))
+    choices = _choices(c, obj, fmt)
     labels, word_map = _labels(c, obj["labels"])
     template, template_fields = _template(c, obj["template"], name)
     extra = obj.get("extra_files", [])
@@ -261,8 +329,9 @@ def parse_spec(obj, origin: Path) -> TaskSpec:
         raise c.fail("extra_files", f"expected a list of files, got {extra!r:.80}")
     return TaskSpec(
         name=name, format=fmt, files=files, labels=labels, template=template, template_fields=template_fields,
-        word_map=word_map, fields=fields, label_field=label_field, join=c.choice(obj, "join", JOINS),
-        clean=c.choice(obj, "clean", CLEANERS), test_size=_test_size(c, obj, files[0][0] == "train"),
+        word_map=word_map, fields=fields, label_field=label_field, label_files=label_files, choices=choices,
+        join=c.choice(obj, "join", JOINS),
+        clean=c.choice(obj, "clean", CLEANERS), encoding=c.choice(obj, "encoding", ENCODINGS), test_size=_test_size(c, obj, files[0][0] == "train"),
         licence=c.text(obj, "licence", obj.get("license", "unknown")), source=c.text(obj, "source", "unknown"),
         description=c.text(obj, "description") if "description" in obj else "",
         extra_files=tuple(c.file(f"extra_files[{i}]", f) for i, f in enumerate(extra)), origin=origin)

@@ -23,7 +23,12 @@ WORD_TASKS = ["antonym", "capitalize", "commonsense_qa", "country-capital", "cou
               "person-instrument", "person-occupation", "present-past", "prev_item", "sentiment",
               "singular-plural", "synonym"]
 # (train, test) sizes of the fixed-split tasks in the full data sets (the shared folder's README).
-FIXED_SIZES = {"sst2": (6920, 1821), "trec": (5452, 500), "agnews": (6600, 1000), "cb": (250, 56)}
+FIXED_SIZES = {"sst2": (6920, 1821), "trec": (5452, 500), "agnews": (6600, 1000), "cb": (250, 56),
+               # the ICR suite (icr/ in the shared folder's README; piqa and mr are split from one file,
+               # ai2sci keeps its items with four options)
+               "csqa": (9741, 1221), "piqa": (1338, 500), "sst5": (8544, 2210), "mr": (9662, 1000),
+               "mrpc": (4076, 1725), "copa": (368, 100), "creak": (10176, 1371), "ai2sci": (617, 531),
+               "cb_abc": (250, 56)}
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +190,10 @@ def test_tiny_word_tasks(tiny):
     csqa = load_task("commonsense_qa", tiny, test_size=5)
     assert csqa.labels == tuple("abcde") and sorted(e.output for e in csqa.test) == list("abcde")
     assert "\nb: y\n" in csqa.test[0].input                         # choices stay lines of the input
-    assert list_tasks(tiny) == ["agnews", "antonym", "cb", "commonsense_qa", "sst2", "trec"]
+    # cb_abc reads cb's files (the ICR paper's A/B/C format)
+    assert list_tasks(tiny) == ["agnews", "antonym", "cb", "cb_abc", "commonsense_qa", "sst2", "trec"]
     assert list_tasks(tiny, answers="open") == ["antonym"]
-    assert list_tasks(tiny, answers="closed") == ["agnews", "cb", "commonsense_qa", "sst2", "trec"]
+    assert list_tasks(tiny, answers="closed") == ["agnews", "cb", "cb_abc", "commonsense_qa", "sst2", "trec"]
     with pytest.raises(LiniclError, match="answers"):
         list_tasks(tiny, answers="words")
 

@@ -315,7 +315,7 @@ def test_cli_data_fetch_and_list(tmp_path, server, capsys):
     table = capsys.readouterr().out
     assert re.search(rf"tiny_nli +{re.escape(str(root / 'nli'))} +\d+\.\d KB +test data", table)
     assert re.search(r"sst2 +not found +\d+\.\d KB +Apache-2.0", table)
-    assert "linicl data fetch agnews antonym" in table  # how to get the rest
+    assert "linicl data fetch agnews ai2sci antonym" in table  # how to get the rest
     assert cli.main(["data", "fetch", "nope", "--data-dir", str(root), "--no-progress"]) == 1
     assert "linicl data fetch: error: unknown task 'nope'" in capsys.readouterr().err
 

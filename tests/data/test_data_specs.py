@@ -94,9 +94,13 @@ def test_tiny_tasks_are_exactly_what_the_old_loader_gave(tmp_path):
 
 # ----------------------------------------------------------------------------- the shipped specs
 
+# Tasks of the ICR paper's suite that came after the old loader (routing.md section 4).
+ICR_NEW = ("csqa", "piqa", "sst5", "mr", "mrpc", "cb_abc", "copa", "creak", "ai2sci")
+
+
 def test_shipped_specs_cover_every_task_and_are_complete():
     shipped = specs.all_specs(None)
-    assert sorted(shipped) == sorted(BEFORE_SHARED.keys() - {k for k in BEFORE_SHARED if "/" in k})
+    assert sorted(shipped) == sorted((BEFORE_SHARED.keys() - {k for k in BEFORE_SHARED if "/" in k}) | set(ICR_NEW))
     for name, spec in shipped.items():
         assert spec.origin == specs.SHIPPED_DIR / f"{name}.json"
         assert spec.template in TEMPLATES and not spec.template_fields
@@ -358,3 +362,114 @@ def test_a_spec_may_pin_a_file_of_its_own_without_a_url(tmp_path):
     (root / "x.jsonl").write_text(data.replace("q1", "Q1"))
     with pytest.raises(DataError, match=r"x.jsonl: SHA-256 .* where its spec says .*put the file its spec"):
         load_task("t", root, verify=True)
+
+
+# ----------------------------------------------------------------------------- the ICR suite's layouts
+
+def _mc_item(stem, options, answer, labels=True):
+    choices = [{"text": t, **({"label": "ABCDE"[i]} if labels else {})} for i, t in enumerate(options)]
+    return json.dumps({"question": {"stem": stem, "choices": choices}, "answerKey": answer}) + "\n"
+
+
+def test_multiple_choice_with_nested_keys_and_an_option_count(tmp_path):
+    """CommonsenseQA/ARC: the stem and the options sit inside "question"; the options become the slot
+    {choices} as lines "A. ..."; the answer is the letter of the option whose label it names; items
+    with another number of options are left out when the spec says how many."""
+    spec = {"format": "jsonl", "files": {"train": "mc/train.jsonl", "test": "mc/test.jsonl"},
+            "fields": {"stem": "question.stem"}, "label_field": "answerKey",
+            "choices": {"key": "question.choices", "text": "text", "label": "label", "count": 3},
+            "labels": ["A", "B", "C"], "template": "csqa"}
+    train = (_mc_item("Red?", [" rose", "sky", "grass"], "A") + _mc_item("Blue?", ["rose", "sky", "grass"], "B")
+             + _mc_item("Four options?", ["a", "b", "c", "d"], "D") + _mc_item("Green?", ["x", "y", "grass"], "C"))
+    root = _write(tmp_path / "d", {"tasks/mc.json": spec, "mc/train.jsonl": train,
+                                   "mc/test.jsonl": _mc_item("Sky?", ["sea", "sky", "cloud"], "B")})
+    task = load_task("mc", root)
+    assert len(task.train) == 3 and [e.output for e in task.train] == ["A", "B", "C"]  # the 4-option item left out
+    assert task.train[0] == Example("Red?\nA. rose\nB. sky\nC. grass", "A",
+                                    (("stem", "Red?"), ("choices", "A. rose\nB. sky\nC. grass")))
+    text = TEMPLATES["csqa"].render(task.train[:1], task.test[0])
+    assert text.endswith("Question: Sky?\nA. sea\nB. sky\nC. cloud\nAnswer (A/B/C/D/E):")
+    # Without option labels the answer is a 0-based position; an answer naming no option is refused.
+    spec2 = {**spec, "choices": {"key": "question.choices", "text": "text"}}
+    items = "".join(_mc_item(f"{q}?", ["u", "v", "w"], a, labels=False) for q, a in zip("PQRS", (2, 0, 2, 0)))
+    _write(root, {"tasks/pos.json": {**spec2, "files": {"all": "pos.jsonl"}, "test_size": 2}, "pos.jsonl": items})
+    task = load_task("pos", root)
+    assert sorted((e.fields[0][1], e.output) for e in task.train + task.test) == [
+        ("P?", "C"), ("Q?", "A"), ("R?", "C"), ("S?", "A")]
+    _write(root, {"mc/test.jsonl": _mc_item("Sky?", ["sea", "sky", "cloud"], "E")})
+    with pytest.raises(DataError, match=r"test.jsonl, line 1: the answer 'E' is none of the options"):
+        load_task("mc", root)
+    _write(root, {"mc/test.jsonl": json.dumps({"question": {"stem": "S", "choices": "abc"}, "answerKey": "A"})})
+    with pytest.raises(DataError, match=r"line 1: expected 'question.choices' to hold a list"):
+        load_task("mc", root)
+
+
+def test_labels_in_a_file_of_their_own(tmp_path):
+    """PIQA: the labels are lines of another file, aligned with the data rows."""
+    rows = "".join(json.dumps({"goal": f"g{i}", "sol1": f"a{i}", "sol2": f"b{i}"}) + "\n" for i in range(6))
+    spec = {"format": "jsonl", "files": {"all": "p/valid.jsonl"}, "label_files": {"all": "p/valid-labels.lst"},
+            "test_size": 2, "fields": ["goal", "sol1", "sol2"], "labels": {"0": "A", "1": "B"}, "template": "piqa"}
+    root = _write(tmp_path / "d", {"tasks/p.json": spec, "p/valid.jsonl": rows, "p/valid-labels.lst": "0\n1\n" * 3})
+    task = load_task("p", root)
+    everything = {e.fields[0][1]: e.output for e in task.train + task.test}
+    assert everything == {f"g{i}": "AB"[i % 2] for i in range(6)} and len(task.test) == 2
+    assert "p" in list_tasks(root)
+    (root / "p/valid-labels.lst").write_text("0\n1\n")
+    with pytest.raises(DataError, match=r"valid-labels.lst: 2 labels for the 6 rows of .*valid.jsonl"):
+        load_task("p", root)
+    (root / "p/valid-labels.lst").unlink()
+    assert "p" not in list_tasks(root)  # a task is listed only with all its files
+
+
+def test_tab_separated_files_with_a_byte_order_mark_and_quotes(tmp_path):
+    """MRPC: tab-separated, a header after a byte-order mark, quotes that are text."""
+    text = ("\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+            '1\t1\t2\tHe said "yes.\tHe agreed.\n0\t3\t4\tIt rained.\tIt was "sunny".\n')
+    spec = {"format": "tsv", "files": {"train": "m.txt", "test": "m.txt"},
+            "fields": {"sentence1": "#1 String", "sentence2": "#2 String"}, "label_field": "Quality",
+            "labels": {"1": "A", "0": "B"}, "template": "mrpc"}
+    root = _write(tmp_path / "d", {"tasks/m.json": spec, "m.txt": text})
+    task = load_task("m", root)
+    assert task.train[0] == Example('He said "yes.\nHe agreed.', "A",
+                                    (("sentence1", 'He said "yes.'), ("sentence2", "He agreed.")))
+    assert task.train[1].output == "B"
+    _write(root, {"m.txt": text + "1\tonly three\tfields\n"})
+    with pytest.raises(DataError, match=r"m.txt, line 4: expected 5 tab-separated fields, got 3"):
+        load_task("m", root)
+    _write(root, {"m.txt": "Quality\tS1\n1\tx\n"})
+    with pytest.raises(DataError, match=r"line 1: expected a tab-separated header with the columns"):
+        load_task("m", root)
+
+
+def test_files_in_another_encoding(tmp_path):
+    """MR is Windows Latin-1 (cp1252): read as the spec says; as UTF-8 it is refused by name."""
+    spec = {"format": "label_text", "files": {"all": "mr.all"}, "test_size": 2, "encoding": "cp1252",
+            "labels": {"0": "negative", "1": "positive"}, "template": "sst2"}
+    root = tmp_path / "d"
+    _write(root, {"tasks/mr.json": spec})
+    rows = ["0 a clich\u00e9 \u2026 dull .", "1 a caf\u00e9 gem .", "0 flat .", "1 fine ."]
+    (root / "mr.all").write_bytes("".join(r + "\n" for r in rows).encode("cp1252"))
+    task = load_task("mr", root)
+    assert {e.input for e in task.train + task.test} == {r[2:] for r in rows}
+    _write(root, {"tasks/mr.json": {k: v for k, v in spec.items() if k != "encoding"}})
+    with pytest.raises(DataError, match=r"mr.all: not valid UTF-8 at byte .*give its spec the file's encoding"):
+        load_task("mr", root)
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"label_files": {"all": "l.lst"}}, "label_field"),  # both label_field and label_files
+    ({"label_files": {"train": "l.lst"}, "label_field": None}, "label_files"),  # roles differ from files'
+    ({"choices": {"key": "c"}}, "choices"),
+    ({"choices": {"key": "c", "text": "t", "count": 1}}, "choices.count"),
+    ({"choices": {"key": "c", "text": ""}}, "text"),
+    ({"fields": ["choices"]}, "fields"),
+    ({"encoding": "latin-9"}, "encoding"),
+    ({"format": "csv", "choices": {"key": "c", "text": "t"}}, "choices"),
+    ({"format": "csv", "label_files": {"all": "l.lst"}, "label_field": None}, "label_files"),
+])
+def test_bad_keys_of_the_suite_layouts(tmp_path, change, key):
+    bad = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
+    path = _write(tmp_path / "data", {"tasks/t.json": bad}) / "tasks" / "t.json"
+    with pytest.raises(DataError) as err:
+        load_task("t", tmp_path / "data")
+    assert str(err.value).startswith(f"spec {path}: {key}:"), str(err.value)

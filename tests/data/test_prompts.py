@@ -3,6 +3,7 @@ determinism), label-word checks, right padding, evaluation sets. Toy tokenizers 
 
 import collections
 import re
+import string
 
 import numpy as np
 import pytest
@@ -65,11 +66,20 @@ def ex(text, label, **fields):
     return Example(text, label, tuple(fields.items()))
 
 
+# Every slot a ready-made template names besides {input} (CB: premise/hypothesis; the ICR suite: stem,
+# choices, goal, sol1, ...), each a field of the toy examples, so that every template renders them.
+SLOTS = sorted({name for t in TEMPLATES.values() for _, name, _, _ in string.Formatter().parse(t.input_format)
+                if name and name not in ("input", "premise", "hypothesis")})
+
+
 def make_task(n_per_label=(4, 4, 4), labels=("yes", "no", "maybe"), n_test=6) -> Task:
-    """A classification task whose examples also carry premise/hypothesis fields (for the CB templates)."""
-    train = tuple(ex(f"p{lab}{i}\nh{lab}{i}", lab, premise=f"p{lab}{i}", hypothesis=f"h{lab}{i}")
+    """A classification task whose examples also carry premise/hypothesis fields (for the CB templates)
+    and the other slots of the ready-made templates (``SLOTS``)."""
+    def more(tag):
+        return {slot: f"{slot[:2]}{tag}" for slot in SLOTS}
+    train = tuple(ex(f"p{lab}{i}\nh{lab}{i}", lab, premise=f"p{lab}{i}", hypothesis=f"h{lab}{i}", **more(f"{lab}{i}"))
                   for lab, n in zip(labels, n_per_label) for i in range(n))
-    test = tuple(ex(f"pq{i}\nhq{i}", labels[i % len(labels)], premise=f"pq{i}", hypothesis=f"hq{i}")
+    test = tuple(ex(f"pq{i}\nhq{i}", labels[i % len(labels)], premise=f"pq{i}", hypothesis=f"hq{i}", **more(f"q{i}"))
                  for i in range(n_test))
     return Task("toy", train, test, tuple(labels), template="qa")
 
