@@ -98,6 +98,11 @@ EDIT_OPS = ("add", "scale", "replace", "fn")  # linicl.nn.hooks.Edit
 REFERENCES = ("query", "own")  # linicl.implicit: which token is run alone
 OPEN_METRICS = ("exact_match", "first_content_token")  # linicl.evaluate: open-ended answers
 EVAL_METRICS = ("label",) + OPEN_METRICS
+# linicl.routing: the size of the routing bias ("paper": B = (Q U_q) diag(alpha) (K U_k)^T as written;
+# "logit": projections centred and whitened, B scaled to the model's own logit spread) and the
+# cross-entropy of the router's loss (over the whole vocabulary, as the paper, or over the label words).
+BIAS_SCALES = ("paper", "logit")
+ICR_TARGETS = ("vocab", "labels")
 
 # ------------------------------------------------------------------------------ collections
 PARAMS = "params"

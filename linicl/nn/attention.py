@@ -119,6 +119,7 @@ class Attention(nn.Module):
         # [batch, seq, heads, d_head] (the sites' layout) -> [batch, heads, seq, d_head]
         q, k, v = (jnp.swapaxes(site(self, f"hook_{n}", dense(sizes[n], name=n)(x), head_axis=2), 1, 2)
                    for n in ("q", "k", "v"))
+        proj = (q, k)  # as at hook_q/hook_k: what an "fn" edit of the scores is given as q_proj/k_proj
         if cfg.qk_norm:  # Gemma 3: per head over d_head, one norm shared by the heads, before rope
             q, k = make_norm(cfg, "q_norm")(q), make_norm(cfg, "k_norm")(k)
         if cfg.query_pre_attn_scalar is not None:  # q.k / sqrt(d_head) becomes q.k / sqrt(s)
@@ -126,7 +127,7 @@ class Attention(nn.Module):
         if cfg.attention == "linear":
             o = self._linear(x, q, repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads), positions)
         else:
-            o = self._softmax(q, k, v, positions)
+            o = self._softmax(q, k, v, positions, proj)
         z = site(self, "hook_z", jnp.swapaxes(o, 1, 2), head_axis=2)
         return dense(cfg.d_model, axis=(-2, -1), name="o")(z)
 
@@ -315,12 +316,13 @@ class Attention(nn.Module):
         return "/".join(self.scope.path) if self.scope is not None else "attention"
 
     # ------------------------------------------------------------------ softmax attention
-    def _softmax(self, q, k, v, positions):
+    def _softmax(self, q, k, v, positions, proj):
         cfg = self.cfg
         # Context of an "fn" edit at hook_attn_scores: the rotated q, k it scores (repeated to every
-        # head) and the projections before rope, [batch, seq, heads, d_head] (keys: kv_heads; this
-        # call's tokens only, so not when a cache or a stored prompt adds earlier keys).
-        raw = {"q_proj": jnp.swapaxes(q, 1, 2), "k_proj": jnp.swapaxes(k, 1, 2)}
+        # head) and the projections as at hook_q/hook_k (before q/k-norm, query scale and rope),
+        # [batch, seq, heads, d_head] (keys: kv_heads; this call's tokens only, so not when a cache or
+        # a stored prompt adds earlier keys).
+        raw = {"q_proj": jnp.swapaxes(proj[0], 1, 2), "k_proj": jnp.swapaxes(proj[1], 1, 2)}
         if cfg.positions == "rope":
             q, k = (apply_rope(a, positions, cfg.rope_base, cfg.rope_style) for a in (q, k))
         k_pos, overflow = positions, None

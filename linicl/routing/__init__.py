@@ -10,19 +10,23 @@ input-conditioned bias on the attention logits of the last third of the layers (
 Modules, one concept each:
 
 * ``pids``: ``extract_pids``, PCA (rank r = 8, centred by default) of the last-token q and k of
-  class-balanced few-shot prompts, per routed layer; ``PIDs.save`` / ``PIDs.load``.
+  class-balanced few-shot prompts, per routed layer; ``PIDs.save`` / ``PIDs.load``;
+  ``random_basis``, the paper's control; ``on_logit_scale``, the bias centred, whitened and scaled so
+  that one direction at |alpha| = 1 moves a layer's logits by one std of the model's own (an option
+  beside the paper's unscaled bias, ``PIDs.bias``): PIDs and a random basis at the same bias size.
 * ``router``: ``Router``, a Flax module mapping a frozen representation of the zero-shot query to
   alpha = tanh(.) per layer and direction and gamma = sigmoid(.) per layer and head. The default
   representation is the LM's own hidden state entering the first routed layer, mean-pooled over the
   query's tokens but the first (the attention sink; ``router_input``); the forward pass computes it
   anyway, so no sentence encoder is needed. The last layer of the alpha branch starts at zero, so an
-  untrained router is exactly the base model. ``routing_edits``: the bias as ``linicl.interventions``
+  untrained router is exactly the base model. ``bias_size``: the bias's spread at the last query per
+  layer. ``routing_edits``: the bias as ``linicl.interventions``
   edits (an ``fn`` edit at each routed layer's ``hook_attn_scores``: added before the causal mask, so
   it never lets a query see a later key). ``icr_forward``: the ``forward`` hook of
   ``linicl.evaluate`` that applies a trained router. ``save_router``/``load_router``.
 * ``training``: ``prepare``/``train_router``, the paper's objective (cross-entropy + confidence +
-  depth-weighted sparsity + gate terms, alpha scaled by a cosine 1.0 -> 0.8, AdamW, gradient
-  clipping). The residual stream entering the first routed layer does not depend on the router, so it
+  depth-weighted sparsity + gate terms, alpha scaled by a cosine 1.0 -> 0.8 and read at 0.8 after
+  training, AdamW, gradient clipping), with CE over the vocabulary (the paper) or the label words. The residual stream entering the first routed layer does not depend on the router, so it
   is computed once per query and training runs only the routed blocks
   (``Transformer(first_layer=...)``). ``checkpoint=`` saves the training state as it goes
   (``linicl.checkpoint``) and resumes from it.
@@ -31,12 +35,12 @@ Modules, one concept each:
 """
 
 from linicl.routing.baselines import task_vector, task_vector_edits
-from linicl.routing.pids import PIDs, extract_pids, pca, routed_layers
-from linicl.routing.router import (Router, icr_forward, load_router, make_router, routed_logits,
+from linicl.routing.pids import PIDs, extract_pids, on_logit_scale, pca, random_basis, routed_layers
+from linicl.routing.router import (Router, bias_size, icr_forward, load_router, make_router, routed_logits,
                                    router_input, routing_edits, save_router)
 from linicl.routing.training import LossWeights, TrainingData, alpha_schedule, icr_loss, prepare, train_router
 
-__all__ = ["routed_layers", "pca", "PIDs", "extract_pids", "Router", "make_router", "routing_edits",
+__all__ = ["routed_layers", "pca", "PIDs", "extract_pids", "random_basis", "on_logit_scale", "Router", "bias_size", "make_router", "routing_edits",
            "router_input", "routed_logits", "icr_forward", "save_router", "load_router", "TrainingData",
            "prepare", "LossWeights", "icr_loss", "alpha_schedule", "train_router", "task_vector",
            "task_vector_edits"]

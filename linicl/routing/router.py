@@ -36,12 +36,17 @@ class Router(nn.Module):
     """``e: f[batch, d_in]`` -> ``alpha: [batch, n_layers, rank]`` in (-1, 1) and ``gamma: [batch,
     n_layers, n_heads]`` in (0, 1), two independent two-layer MLPs after a LayerNorm of the input
     (LM hidden states have a few very large coordinates). The last layer of the alpha branch starts at
-    zero, so an untrained router is exactly the base model."""
+    zero, so an untrained router is exactly the base model.
+
+    ``alpha_scale`` multiplies alpha on the way out: 1 while training (where ``alpha_schedule`` scales
+    it instead), and the schedule's last value in a trained router (``train_router``), so inference
+    reads alpha at the scale training ended with (the paper anneals 1.0 -> 0.8)."""
 
     n_layers: int
     rank: int
     n_heads: int
     hidden: int = 256
+    alpha_scale: float = 1.0
 
     @nn.compact
     def __call__(self, e: jax.Array):
@@ -50,7 +55,7 @@ class Router(nn.Module):
         def mlp(name, out, last_init):
             h = nn.gelu(nn.Dense(self.hidden, name=f"{name}_1")(e))
             return nn.Dense(out, kernel_init=last_init, name=f"{name}_2")(h)
-        alpha = jnp.tanh(mlp("alpha", self.n_layers * self.rank, nn.initializers.zeros))
+        alpha = jnp.tanh(mlp("alpha", self.n_layers * self.rank, nn.initializers.zeros)) * self.alpha_scale
         gamma = jax.nn.sigmoid(mlp("gamma", self.n_layers * self.n_heads, nn.initializers.lecun_normal()))
         B = e.shape[0]
         return alpha.reshape(B, self.n_layers, self.rank), gamma.reshape(B, self.n_layers, self.n_heads)
@@ -68,21 +73,26 @@ def make_router(model, pids: PIDs, *, hidden: int = 256, seed: int = 0):
 
 
 def _bias(scores, value, ctx):
-    """scores + gamma_h * (Q U_q) diag(alpha) (K U_k)^T, at every (query, key) pair (the mask follows)."""
+    """scores + gamma_h * s * z_q diag(alpha) z_k^T at every (query, key) pair (the mask follows), with
+    z_q = ((Q - c_q) U_q) * w_q and z_k alike (``PIDs.bias_params``; the paper's bias: c = 0, w = s = 1)."""
     b, T = scores.shape[0], scores.shape[2]
-    q = ctx["q_proj"].reshape(b, T, -1).astype(jnp.float32)
-    k = ctx["k_proj"].reshape(b, T, -1).astype(jnp.float32)
-    zq, zk = q @ value["U_q"], k @ value["U_k"]
-    B = jnp.einsum("btr,br,bsr->bts", zq, value["alpha"], zk)
+    dt = jnp.promote_types(scores.dtype, jnp.float32)  # at least float32, also under bfloat16
+    value = {n: jnp.asarray(v).astype(dt) for n, v in value.items()}
+    q = ctx["q_proj"].reshape(b, T, -1).astype(dt)
+    k = ctx["k_proj"].reshape(b, T, -1).astype(dt)
+    zq = ((q - value["c_q"]) @ value["U_q"]) * value["w_q"]
+    zk = ((k - value["c_k"]) @ value["U_k"]) * value["w_k"]
+    B = value["s"] * jnp.einsum("btr,br,bsr->bts", zq, value["alpha"], zk)
     return scores + (value["gamma"][:, :, None, None] * B[:, None]).astype(scores.dtype)
 
 
 def routing_edits(pids: PIDs, alpha: jax.Array, gamma: jax.Array) -> list:
     """The routing bias as edits at each routed layer's ``hook_attn_scores``
-    (``alpha: [batch, n_layers, rank]``, ``gamma: [batch, n_layers, heads]``)."""
-    U_q, U_k = jnp.asarray(pids.U_q, jnp.float32), jnp.asarray(pids.U_k, jnp.float32)
+    (``alpha: [batch, n_layers, rank]``, ``gamma: [batch, n_layers, heads]``; the bias's size as
+    ``pids.bias`` says)."""
     return [apply_fn(block_site(l, "hook_attn_scores"), _bias,
-                     {"U_q": U_q[i], "U_k": U_k[i], "alpha": alpha[:, i], "gamma": gamma[:, i]})
+                     {**{k: jnp.asarray(v) for k, v in pids.bias_params(i).items()},
+                      "alpha": alpha[:, i], "gamma": gamma[:, i]})
             for i, l in enumerate(pids.layers)]
 
 
@@ -100,15 +110,46 @@ def router_input(h: jax.Array, lengths: jax.Array) -> jax.Array:
 
 
 def routed_logits(model, variables, pids: PIDs, router: Router, router_params, h0, lengths,
-                  alpha_scale: float = 1.0):
+                  alpha_scale: float = 1.0, with_bias_size: bool = False):
     """Next-token logits ``[batch, vocab]`` at each row's last token with the router's bias, from the
-    residual ``h0: [batch, seq, d_model]`` entering the first routed layer. Also returns (alpha, gamma).
+    residual ``h0: [batch, seq, d_model]`` entering the first routed layer. Also returns (alpha, gamma)
+    (alpha before ``alpha_scale``, which multiplies it in the bias),
+    and with ``with_bias_size`` the bias's size per routed layer (``bias_size``) as a third item.
     Only the routed blocks run (``first_layer``): h0 does not depend on the router."""
     cfg = config_of(model)
     alpha, gamma = router.apply({"params": router_params}, router_input(h0, lengths))
-    edits = routing_edits(pids, alpha * alpha_scale, gamma)
-    h = model.apply(with_edits(variables, edits, cfg), embeds=h0, first_layer=pids.layers[0], hidden=True)
-    return unembed(cfg, variables["params"], last_positions(h, lengths)), (alpha, gamma)
+    edited = with_edits(variables, routing_edits(pids, alpha * alpha_scale, gamma), cfg)
+    if not with_bias_size:
+        h = model.apply(edited, embeds=h0, first_layer=pids.layers[0], hidden=True)
+        return unembed(cfg, variables["params"], last_positions(h, lengths)), (alpha, gamma)
+    names = [block_site(l, f"hook_{s}") for l in pids.layers for s in ("q", "k")]
+    h, acts = capture(model, edited, embeds=h0, names=names, first_layer=pids.layers[0], hidden=True)
+    size = bias_size(pids, [acts[block_site(l, "hook_q")] for l in pids.layers],
+                     [acts[block_site(l, "hook_k")] for l in pids.layers], alpha * alpha_scale, gamma, lengths)
+    return unembed(cfg, variables["params"], last_positions(h, lengths)), (alpha, gamma), size
+
+
+def bias_size(pids: PIDs, q, k, alpha, gamma, lengths) -> jax.Array:
+    """``[n_layers]``: per routed layer, the std over keys of the bias at each row's last query
+    (mean gate over heads times the std of ``s z_q diag(alpha) z_k^T``), averaged over the batch.
+    ``q[i], k[i]``: the layer's ``hook_q``/``hook_k`` ``[batch, seq, heads, d_head]``. The quantity to
+    set beside the model's own logit spread (``PIDs`` docstring); no gradient flows through it."""
+    out = []
+    T = q[0].shape[1]
+    keys = jnp.arange(T)[None, :] < lengths[:, None]  # [b, T]
+    for i in range(len(pids.layers)):
+        dt = jnp.promote_types(q[i].dtype, jnp.float32)
+        p = {n: jnp.asarray(v).astype(dt) for n, v in pids.bias_params(i).items()}
+        qi = last_positions(q[i], lengths).reshape(q[i].shape[0], -1).astype(dt)
+        ki = k[i].reshape(k[i].shape[0], T, -1).astype(dt)
+        zq = ((qi - p["c_q"]) @ p["U_q"]) * p["w_q"]
+        zk = ((ki - p["c_k"]) @ p["U_k"]) * p["w_k"]
+        row = p["s"] * jnp.einsum("br,br,bsr->bs", zq, alpha[:, i], zk)  # [b, T]
+        n = jnp.sum(keys, -1)
+        mean = jnp.sum(jnp.where(keys, row, 0), -1) / n
+        std = jnp.sqrt(jnp.sum(jnp.where(keys, (row - mean[:, None]) ** 2, 0), -1) / n)
+        out.append(jnp.mean(std * jnp.mean(gamma[:, i], -1)))
+    return jax.lax.stop_gradient(jnp.stack(out))
 
 
 def icr_forward(model, pids: PIDs, router: Router):
@@ -126,7 +167,8 @@ def icr_forward(model, pids: PIDs, router: Router):
 
 # ---------------------------------------------------------------------------------------- files
 def _settings(router: Router, d_in: int) -> dict:
-    return {"kind": _KIND, **{k: int(getattr(router, k)) for k in _SIZES}, "d_in": int(d_in)}
+    return {"kind": _KIND, **{k: int(getattr(router, k)) for k in _SIZES}, "d_in": int(d_in),
+            "alpha_scale": float(router.alpha_scale)}
 
 
 def save_router(path, router: Router, params) -> Path:
@@ -142,7 +184,8 @@ def load_router(path):
     try:
         if settings.get("kind") != _KIND:
             raise ValueError(f"its settings are {settings}")
-        router = Router(**{k: int(settings[k]) for k in _SIZES})
+        router = Router(**{k: int(settings[k]) for k in _SIZES},
+                        alpha_scale=float(settings.get("alpha_scale", 1.0)))
         d_in = int(settings["d_in"])
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"{path} is not a router file written by save_router: {e}") from None

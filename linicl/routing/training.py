@@ -2,7 +2,11 @@
 
     L = CE + conf * relu(H_icr - H_zs) + spar * mean_l w_l |alpha_l|_1 / r + gate * mean_l |gamma_l|_1 / H
 
-with alpha scaled by a cosine 1.0 -> 0.8 over training, AdamW and gradient clipping. The residual
+with alpha scaled by a cosine 1.0 -> 0.8 over training (the trained router keeps the last value for
+inference, ``Router.alpha_scale``), AdamW and gradient clipping. CE is over the whole vocabulary as in
+the paper (``target="vocab"``), or over each query's label words (``target="labels"``, an option of
+ours: a small LM's full-vocabulary CE mostly teaches the answer format). The history logs every term and
+the bias's size per routed layer (``bias_size``, to set beside the model's own logit spread). The residual
 entering the first routed layer does not depend on the router, so ``prepare`` computes it once per
 query and each step runs only the routed blocks. ``train_router(checkpoint=...)`` saves its state
 through ``linicl.checkpoint`` and resumes bit-identically.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +24,8 @@ import numpy as np
 import optax
 
 from linicl import checkpoint as ckpt
-from linicl.errors import DataError
-from linicl.names import block_site
+from linicl.errors import DataError, LiniclError
+from linicl.names import ICR_TARGETS, block_site
 from linicl.activations import collect_activations
 from linicl.routing.pids import PIDs
 from linicl.routing.router import make_router, routed_logits
@@ -31,18 +36,22 @@ _TRAINER = "linicl.routing.train_router"
 @dataclass
 class TrainingData:
     """Cached zero-shot queries: the residual entering the first routed layer ``h0: [N, T, d_model]``
-    (right-padded), ``lengths``, the answer's first token ``y`` and the zero-shot entropy ``H_zs``."""
+    (right-padded), ``lengths``, the answer's first token ``y``, the zero-shot entropy ``H_zs`` and,
+    for ``target="labels"``, each query's label-word tokens ``candidates: [N, C]`` (-1 pads; ``y`` one
+    of them)."""
 
     h0: np.ndarray
     lengths: np.ndarray
     y: np.ndarray
     H_zs: np.ndarray
+    candidates: Optional[np.ndarray] = None
 
 
-def prepare(model, variables, prompts, answer_ids, pids: PIDs, *, batch_size: int = 16,
+def prepare(model, variables, prompts, answer_ids, pids: PIDs, *, candidates=None, batch_size: int = 16,
             progress: bool = False) -> TrainingData:
     """Run the frozen model once over zero-shot prompts (``linicl.data.Prompt``): cache what training
-    needs (one forward per query instead of one per step)."""
+    needs (one forward per query instead of one per step). ``candidates``: per prompt the token ids
+    of its task's label words (a ragged list), needed by ``target="labels"``."""
     from linicl.evaluate import run_logprobs  # linicl.evaluate is heavy and needs nothing from here
     entry = block_site(pids.layers[0], "hook_resid_pre")
     lengths = np.asarray([len(getattr(p, "tokens", p)) for p in prompts], np.int32)
@@ -56,7 +65,24 @@ def prepare(model, variables, prompts, answer_ids, pids: PIDs, *, batch_size: in
     h0 = np.where(np.arange(T)[None, :, None] < lengths[:, None, None], h0, 0.0)
     logprobs = np.stack(run_logprobs(model, variables, prompts, batch_size=batch_size))
     H_zs = -np.sum(np.exp(logprobs) * logprobs, axis=-1)
-    return TrainingData(h0=h0, lengths=lengths, y=np.asarray(answer_ids, np.int32), H_zs=H_zs.astype(np.float32))
+    y = np.asarray(answer_ids, np.int32)
+    return TrainingData(h0=h0, lengths=lengths, y=y, H_zs=H_zs.astype(np.float32),
+                        candidates=None if candidates is None else _candidate_array(candidates, y, logprobs.shape[-1]))
+
+
+def _candidate_array(candidates, y, vocab: int) -> np.ndarray:
+    """Ragged label-token lists -> ``[N, C]`` int32 padded with -1, each row holding its answer."""
+    if len(candidates) != len(y):
+        raise LiniclError(f"candidates: expected one list of label tokens per prompt ({len(y)}), got {len(candidates)}")
+    width = max(len(c) for c in candidates)
+    out = np.full((len(y), width), -1, np.int32)
+    for i, c in enumerate(candidates):
+        c = [int(t) for t in c]
+        if int(y[i]) not in c or len(set(c)) != len(c) or not all(0 <= t < vocab for t in c):
+            raise LiniclError(f"candidates[{i}]: expected distinct label tokens in [0, {vocab}) holding the answer "
+                              f"{int(y[i])}, got {c}")
+        out[i, :len(c)] = c
+    return out
 
 
 @dataclass(frozen=True)
@@ -74,19 +100,31 @@ def _entropy(logits):
     return -jnp.sum(jnp.exp(lp) * lp, axis=-1)
 
 
-def icr_loss(router_params, model, variables, pids, router, batch, alpha_scale, weights: LossWeights):
-    """L = CE + conf * relu(H_icr - H_zs) + spar * mean_l w_l |alpha_l|_1 / r + gate * mean_l |gamma_l|_1 / H."""
-    h0, lengths, y, H_zs = batch
-    logits, (alpha, gamma) = routed_logits(model, variables, pids, router, router_params, h0, lengths,
-                                           alpha_scale)
+def _label_ce(logits, y, candidates):
+    """-log softmax over the candidate tokens (-1: none) at the answer's token."""
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    picked = jnp.take_along_axis(logits, jnp.maximum(candidates, 0), axis=1)
+    picked = jnp.where(candidates >= 0, picked, -jnp.inf)
+    gold = jnp.take_along_axis(logits, y[:, None], axis=1)[:, 0]
+    return jnp.mean(jax.nn.logsumexp(picked, axis=1) - gold)
+
+
+def icr_loss(router_params, model, variables, pids, router, batch, alpha_scale, weights: LossWeights,
+             target: str = "vocab"):
+    """L = CE + conf * relu(H_icr - H_zs) + spar * mean_l w_l |alpha_l|_1 / r + gate * mean_l |gamma_l|_1 / H.
+    ``batch``: (h0, lengths, y, H_zs) and, for ``target="labels"``, candidates."""
+    h0, lengths, y, H_zs = batch[:4]
+    logits, (alpha, gamma), size = routed_logits(model, variables, pids, router, router_params, h0, lengths,
+                                                 alpha_scale, with_bias_size=True)
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    ce = -jnp.mean(jnp.take_along_axis(lp, y[:, None], axis=1))
+    ce = -jnp.mean(jnp.take_along_axis(lp, y[:, None], axis=1)) if target == "vocab" else \
+        _label_ce(logits, y, batch[4])
     conf = jnp.mean(jax.nn.relu(_entropy(logits) - H_zs))
     depth = jnp.linspace(1.0, weights.depth_max, alpha.shape[1])
     spar = jnp.mean(jnp.sum(depth * jnp.abs(alpha).mean(-1), axis=1) / alpha.shape[1])
     gate = jnp.mean(jnp.abs(gamma).mean(-1).mean(-1))
     total = ce + weights.conf * conf + weights.spar * spar + weights.gate * gate
-    return total, {"loss": total, "ce": ce, "conf": conf, "spar": spar, "gate": gate}
+    return total, {"loss": total, "ce": ce, "conf": conf, "spar": spar, "gate": gate, "bias_size": size}
 
 
 def alpha_schedule(progress: float, start: float = 1.0, end: float = 0.8) -> float:
@@ -110,10 +148,13 @@ def _checkpoint_settings(total: int) -> dict:
 
 def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: int = 2, batch_size: int = 8,
                  lr: float = 1e-3, weight_decay: float = 1e-2, clip: float = 1.0, hidden: int = 256,
-                 weights: LossWeights = LossWeights(), seed: int = 0, progress: bool = True,
-                 log_every: int = 10, checkpoint=None, checkpoint_every: int = 50):
+                 weights: LossWeights = LossWeights(), target: str = "vocab", seed: int = 0,
+                 progress: bool = True, log_every: int = 10, checkpoint=None, checkpoint_every: int = 50):
     """Train only the router (the LM's variables are constants of the loss). Returns ``(router,
-    params, history)`` with the loss terms logged every ``log_every`` steps.
+    params, history)``: the router reads alpha at the schedule's last scale (``Router.alpha_scale``);
+    the history holds the loss terms and the bias size per routed layer every ``log_every`` steps.
+
+    ``target``: ``"vocab"`` (the paper's CE) or ``"labels"`` (CE over ``data.candidates``).
 
     ``checkpoint``: a file path. Every ``checkpoint_every`` steps and at the end, the router params, the
     optimiser state, the step and the history are written there (``linicl.checkpoint``, atomically);
@@ -121,6 +162,10 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
     as an uninterrupted run (the batch order is a function of ``seed`` and the epoch). A checkpoint
     of a run with another number of steps is refused."""
     from tqdm.auto import tqdm
+    if target not in ICR_TARGETS:
+        raise LiniclError(f"target must be one of {ICR_TARGETS}, got {target!r}")
+    if target == "labels" and data.candidates is None:
+        raise LiniclError("target='labels' needs TrainingData.candidates (prepare(..., candidates=...))")
     router, params = make_router(model, pids, hidden=hidden, seed=seed)
     tx = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(lr, weight_decay=weight_decay))
     opt = tx.init(params)
@@ -135,7 +180,7 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
     @jax.jit
     def step(params, opt, batch, scale):
         (_, logs), grads = jax.value_and_grad(icr_loss, has_aux=True)(
-            params, model, variables, pids, router, batch, scale, weights)
+            params, model, variables, pids, router, batch, scale, weights, target)
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, logs
 
@@ -150,13 +195,16 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
             idx = order[s * batch_size:(s + 1) * batch_size]
             batch = (jnp.asarray(data.h0[idx]), jnp.asarray(data.lengths[idx]), jnp.asarray(data.y[idx]),
                      jnp.asarray(data.H_zs[idx]))
+            if target == "labels":
+                batch += (jnp.asarray(data.candidates[idx]),)
             params, opt, logs = step(params, opt, batch, jnp.float32(alpha_schedule(t / max(1, total - 1))))
             if t % log_every == 0 or t == total - 1:
-                history.append({"step": t, **{k: float(v) for k, v in logs.items()}})
+                history.append({"step": t, "alpha_scale": alpha_schedule(t / max(1, total - 1)),
+                                **{k: (np.asarray(v).tolist() if np.ndim(v) else float(v)) for k, v in logs.items()}})
                 bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
             bar.update(1)
             if checkpoint is not None and ((t + 1) % checkpoint_every == 0 or t == total - 1):
                 ckpt.save(checkpoint, {"params": params, "opt": opt}, settings=_checkpoint_settings(total),
                           meta={"step": t + 1, "history": history})
     bar.close()
-    return router, params, history
+    return router.clone(alpha_scale=alpha_schedule(1.0)), params, history

@@ -224,3 +224,157 @@ def test_router_input_leaves_out_the_first_token():
     out = R.router_input(h, jnp.array([5, 3, 1]))
     assert np.allclose(out[0], h[0, 1:5].mean(0), atol=1e-5) and np.allclose(out[1], h[1, 1:3].mean(0), atol=1e-5)
     assert np.allclose(out[2], h[2, 0]) and out.dtype == jnp.float32
+
+
+# ----------------------------------------------------------------------------- the bias's size
+
+def _scores_shift(model, variables, pids, alpha, gamma, toks):
+    """The bias as the model applies it: edited minus plain ``hook_attn_scores`` of the (single)
+    routed layer, ``[batch, heads, T, T]``, and the plain scores."""
+    name = f"blocks.{pids.layers[0]}.attn.hook_attn_scores"
+    plain = capture(model, variables, toks, names=[name])[1][name]
+    edited = with_edits(variables, R.routing_edits(pids, alpha, gamma), model.cfg)
+    return capture(model, edited, toks, names=[name])[1][name] - plain, plain
+
+
+def _row_std(x, T):
+    """Mean over rows t >= 1 of the std over keys s <= t of ``x: [..., T, T]`` (all rows real)."""
+    return np.mean([x[..., t, :t + 1].std(-1).mean() for t in range(1, T)])
+
+
+@pytest.fixture(scope="module")
+def last_layer(setup):
+    """PIDs of the last layer only (a bias elsewhere would change what reaches it) and 12 prompts of
+    one length (every row real)."""
+    model, variables, prompts, _ = setup
+    pids = R.extract_pids(model, variables, prompts, layers=[model.cfg.n_layers - 1], r=3)
+    toks = tokens(7, 12, 10, model.cfg.vocab_size)
+    return pids, toks
+
+
+def test_the_paper_bias_is_the_formula(setup, last_layer):
+    """bias = gamma_h (Q U_q) diag(alpha) (K U_k)^T, Q and K the projections at hook_q/hook_k (before
+    rope), unscaled: checked against the model's own edited scores."""
+    model, variables, _, _ = setup
+    pids, toks = last_layer
+    rng = np.random.default_rng(3)
+    alpha = jnp.asarray(rng.normal(size=(12, 1, 3)))
+    gamma = jnp.asarray(rng.uniform(size=(12, 1, model.cfg.n_heads)))
+    shift, _ = _scores_shift(model, variables, pids, alpha, gamma, toks)
+    l = pids.layers[0]
+    acts = capture(model, variables, toks, names=[f"blocks.{l}.attn.hook_q", f"blocks.{l}.attn.hook_k"])[1]
+    q = np.asarray(acts[f"blocks.{l}.attn.hook_q"]).reshape(12, 10, -1) @ pids.U_q[0]
+    k = np.asarray(acts[f"blocks.{l}.attn.hook_k"]).reshape(12, 10, -1) @ pids.U_k[0]
+    want = np.einsum("bh,btr,br,bsr->bhts", gamma[:, 0], q, alpha[:, 0], k)
+    assert rel_err(shift, want) <= EXACT_RTOL
+
+
+def test_on_logit_scale_one_direction_moves_the_logits_by_their_own_spread(setup, last_layer):
+    """After ``on_logit_scale`` one direction at alpha = 1 (gate 1) moves the logits by the model's own
+    spread over keys, on the calibration prompts, as the model applies the bias; the whitened
+    projections have unit spread. A random basis calibrated alike has the same bias size, which the
+    paper's bias does not give either of them."""
+    model, variables, _, _ = setup
+    pids, toks = last_layer
+    prompts = list(np.asarray(toks))
+    sizes = {}
+    for name, p in (("pids", pids), ("random", R.random_basis(pids, 5))):
+        logit = R.on_logit_scale(model, variables, p, prompts)
+        assert logit.bias == "logit" and logit.bias_scale.shape == (1,) and logit.sd_q.shape == (1, 3)
+        gamma = jnp.ones((12, 1, model.cfg.n_heads))
+        per_dir, paper = [], []
+        for j in range(3):
+            alpha = jnp.zeros((12, 1, 3)).at[:, :, j].set(1.0)
+            shift, plain = _scores_shift(model, variables, logit, alpha, gamma, toks)
+            per_dir.append(_row_std(np.asarray(shift[:, 0]), 10))  # the bias is the same for every head
+            paper.append(_row_std(np.asarray(_scores_shift(model, variables, p, alpha, gamma, toks)[0][:, 0]), 10))
+        own = _row_std(np.asarray(plain), 10)
+        sizes[name] = (np.mean(per_dir), np.mean(paper))
+        assert abs(np.mean(per_dir) / own - 1) <= 1e-10, name
+    assert abs(sizes["pids"][0] / sizes["random"][0] - 1) <= 1e-10  # matched at the logit scale
+    assert abs(sizes["pids"][1] / sizes["random"][1] - 1) >= 0.05  # not at the paper's
+    # whitening: the centred, projected, scaled q has unit spread over positions after the first
+    p = R.on_logit_scale(model, variables, pids, prompts)
+    l = pids.layers[0]
+    q = np.asarray(capture(model, variables, toks, names=[f"blocks.{l}.attn.hook_q"])[1][f"blocks.{l}.attn.hook_q"])
+    z = ((q.reshape(12, 10, -1)[:, 1:] - p.mean_q[0]) @ p.U_q[0]).reshape(-1, 3) / p.sd_q[0]
+    assert np.allclose(z.std(0), 1.0, rtol=1e-12)
+
+
+def test_logit_scale_pids_save_load_and_refuse_half_settings(setup, last_layer, tmp_path):
+    model, variables, _, _ = setup
+    pids, toks = last_layer
+    logit = R.on_logit_scale(model, variables, pids, list(np.asarray(toks)))
+    back = R.PIDs.load(logit.save(tmp_path / "p"))
+    assert back.bias == "logit" and np.array_equal(back.bias_scale, logit.bias_scale)
+    assert R.PIDs.load(pids.save(tmp_path / "q")).bias == "paper"
+    import dataclasses
+    with pytest.raises(LiniclError, match="come together and only with bias='logit'"):
+        dataclasses.replace(logit, sd_q=None)
+    with pytest.raises(LiniclError, match="bias must be one of"):
+        dataclasses.replace(pids, bias="unit")
+    with pytest.raises(linicl.errors.DegenerateInputError, match="at most 2 tokens"):
+        R.on_logit_scale(model, variables, pids, [np.array([1, 2], np.int32)])
+
+
+def test_bias_size_is_the_last_rows_spread_and_training_logs_it(setup, last_layer):
+    """``bias_size``: the std over keys of the bias at each row's last query, times the mean gate,
+    averaged over the batch, as the model applies it."""
+    model, variables, _, _ = setup
+    pids, toks = last_layer
+    rng = np.random.default_rng(4)
+    alpha = jnp.asarray(rng.normal(size=(12, 1, 3)))
+    gamma = jnp.asarray(rng.uniform(size=(12, 1, model.cfg.n_heads)))
+    shift, _ = _scores_shift(model, variables, pids, alpha, gamma, toks)
+    l = pids.layers[0]
+    acts = capture(model, variables, toks, names=[f"blocks.{l}.attn.hook_q", f"blocks.{l}.attn.hook_k"])[1]
+    size = R.bias_size(pids, [acts[f"blocks.{l}.attn.hook_q"]], [acts[f"blocks.{l}.attn.hook_k"]], alpha, gamma,
+                       jnp.full((12,), 10))
+    want = np.mean(np.asarray(shift)[:, :, -1, :].std(-1).mean(-1))  # heads differ only by their gate
+    assert rel_err(size, np.array([want])) <= EXACT_RTOL
+
+
+def test_label_restricted_cross_entropy(setup):
+    """``target="labels"``: CE over each query's label tokens only; the full-vocabulary CE is larger
+    (it also pays for the mass outside the labels). The router keeps the schedule's last alpha scale."""
+    from linicl.routing.training import _label_ce
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 20)))
+    cand = jnp.array([[2, 5, -1], [7, 1, 3], [0, 4, -1]])
+    y = jnp.array([5, 3, 0])
+    want = -np.mean([jax.nn.log_softmax(logits[i, [c for c in cand[i] if c >= 0]])[list(cand[i]).index(y[i])]
+                     for i in range(3)])
+    assert rel_err(_label_ce(logits, y, cand), want) <= EXACT_RTOL
+    model, variables, prompts, pids = setup
+    y = np.random.default_rng(1).integers(0, 50, len(prompts))
+    candidates = [[int(t), (int(t) + 1) % 50] for t in y]
+    with pytest.raises(LiniclError, match="needs TrainingData.candidates"):
+        R.train_router(model, variables, pids, R.prepare(model, variables, prompts, y, pids), target="labels",
+                       epochs=1, progress=False)
+    with pytest.raises(LiniclError, match=r"candidates\[0\]: expected distinct label tokens in \[0, 64\) holding the answer"):
+        R.prepare(model, variables, prompts, y, pids, candidates=[[999, 998]] + candidates[1:])
+    data = R.prepare(model, variables, prompts, y, pids, candidates=candidates)
+    router, _, history = R.train_router(model, variables, pids, data, target="labels", epochs=1, batch_size=8,
+                                        progress=False, log_every=1)
+    assert router.alpha_scale == pytest.approx(0.8) and len(history[0]["bias_size"]) == len(pids.layers)
+    assert all(np.isfinite(h["ce"]) for h in history)
+    with pytest.raises(LiniclError, match="target must be one of"):
+        R.train_router(model, variables, pids, data, target="vocabulary", progress=False)
+
+
+def test_on_gemma_the_bias_projects_q_and_k_as_the_pids_saw_them():
+    """Gemma normalises and scales q and k before scoring them; the bias (like the PIDs, read at
+    hook_q/hook_k) uses the projections before that. Before the fix it used the normalised ones."""
+    from helpers import FIXTURES
+    model, variables, _ = linicl.lm.from_pretrained(FIXTURES / "gemma3-tiny", dtype="float64")
+    assert model.cfg.qk_norm
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, model.cfg.vocab_size, 9).astype(np.int32) for _ in range(12)]
+    pids = R.extract_pids(model, variables, prompts, r=2)
+    toks = jnp.asarray(np.stack(prompts[:3]))
+    alpha = jnp.asarray(rng.normal(size=(3, 1, 2)))
+    gamma = jnp.asarray(rng.uniform(size=(3, 1, model.cfg.n_heads)))
+    shift, _ = _scores_shift(model, variables, pids, alpha, gamma, toks)
+    acts = capture(model, variables, toks, names=["blocks.2.attn.hook_q", "blocks.2.attn.hook_k"])[1]
+    q = np.asarray(acts["blocks.2.attn.hook_q"]).reshape(3, 9, -1) @ pids.U_q[0]
+    k = np.asarray(acts["blocks.2.attn.hook_k"]).reshape(3, 9, -1) @ pids.U_k[0]
+    assert rel_err(shift, np.einsum("bh,btr,br,bsr->bhts", gamma[:, 0], q, alpha[:, 0], k)) <= EXACT_RTOL
