@@ -103,14 +103,21 @@ class Template:
         out.append((self.io_sep + self.output_prefix, SEPARATOR))
         return out
 
-    def segments(self, demos: Sequence[Example], query: Example) -> list[Segment]:
-        """The prompt as (text, role) pieces; the query pieces are all QUERY."""
+    def segments(self, demos: Sequence[Example], query: Example,
+                 demo_templates: Sequence[Template] | None = None) -> list[Segment]:
+        """The prompt as (text, role) pieces; the query pieces are all QUERY. ``demo_templates``: one
+        template per demonstration (a multi-task prompt, each demo written as its own task is), else
+        this one for all."""
+        if demo_templates is not None and len(demo_templates) != len(demos):
+            raise LiniclError(f"demo_templates: expected one template per demonstration ({len(demos)}), got "
+                              f"{len(demo_templates)}")
         segs: list[Segment] = []
         if self.instruction:
             segs += [(self.instruction, INSTRUCTION), (self.example_sep, SEPARATOR)]
-        for ex in demos:
-            segs += self._input(ex, DEMO_INPUT)
-            segs += [(self.label_text(ex.output), DEMO_LABEL), (self.example_sep, SEPARATOR)]
+        for i, ex in enumerate(demos):
+            t = self if demo_templates is None else demo_templates[i]
+            segs += t._input(ex, DEMO_INPUT)
+            segs += [(t.label_text(ex.output), DEMO_LABEL), (self.example_sep, SEPARATOR)]
         segs += [(text, QUERY) for text, _ in self._input(query, QUERY)]
         return _normalise(segs)
 
@@ -323,9 +330,12 @@ def _by_whole_text(segs: list[Segment], tokenizer: TextEncoder) -> tuple[list[in
 
 def build_prompt(template: Template, demos: Sequence[Example], query: Example, tokenizer: TextEncoder,
                  *, add_bos: bool | None = None, strict: bool = False,
-                 tokenization: str = "segments") -> Prompt:
+                 tokenization: str = "segments", demo_templates: Sequence[Template] | None = None) -> Prompt:
     """Tokenize ``demos`` + ``query`` (module docstring).
 
+    demo_templates: one template per demonstration, for a multi-task prompt (the ICR paper's OOD
+        few-shot baseline: demos of other tasks, each in its own format, before the query in
+        ``template``); the separators between examples are ``template``'s.
     add_bos: prepend ``tokenizer.bos_id`` (None: when the tokenizer has one that is not None).
     tokenization: "segments" (default; exact roles for any tokenizer) encodes each same-role run
         separately; "whole" encodes the whole text as a model would see it in the wild and assigns
@@ -334,7 +344,7 @@ def build_prompt(template: Template, demos: Sequence[Example], query: Example, t
     """
     if tokenization not in ("segments", "whole"):
         raise LiniclError(f"tokenization must be 'segments' or 'whole', got {tokenization!r}")
-    segs = template.segments(demos, query)
+    segs = template.segments(demos, query, demo_templates)
     tokens, roles = (_by_segment if tokenization == "segments" else _by_whole_text)(segs, tokenizer)
     bos = _bos(tokenizer, add_bos)
     tokens, roles = bos + tokens, [BOS] * len(bos) + roles

@@ -10,7 +10,8 @@ input-conditioned bias on the attention logits of the last third of the layers (
 Modules, one concept each:
 
 * ``pids``: ``extract_pids``, PCA (rank r = 8, centred by default) of the last-token q and k of
-  class-balanced few-shot prompts, per routed layer; ``PIDs.save`` / ``PIDs.load``;
+  class-balanced few-shot prompts, per routed layer (= ``fit_pids(pid_activations(...))``, to collect
+  in parts); ``PIDs.save`` / ``PIDs.load``;
   ``random_basis``, the paper's control; ``on_logit_scale``, the bias centred, whitened and scaled so
   that one direction at |alpha| = 1 moves a layer's logits by one std of the model's own (an option
   beside the paper's unscaled bias, ``PIDs.bias``): PIDs and a random basis at the same bias size.
@@ -35,12 +36,13 @@ Modules, one concept each:
 """
 
 from linicl.routing.baselines import task_vector, task_vector_edits
-from linicl.routing.pids import PIDs, extract_pids, on_logit_scale, pca, random_basis, routed_layers
+from linicl.routing.pids import (PIDs, extract_pids, fit_pids, on_logit_scale, pca, pid_activations, random_basis,
+                                 routed_layers)
 from linicl.routing.router import (Router, bias_size, icr_forward, load_router, make_router, routed_logits,
                                    router_input, routing_edits, save_router)
 from linicl.routing.training import LossWeights, TrainingData, alpha_schedule, icr_loss, prepare, train_router
 
-__all__ = ["routed_layers", "pca", "PIDs", "extract_pids", "random_basis", "on_logit_scale", "Router", "bias_size", "make_router", "routing_edits",
+__all__ = ["routed_layers", "pca", "PIDs", "extract_pids", "pid_activations", "fit_pids", "random_basis", "on_logit_scale", "Router", "bias_size", "make_router", "routing_edits",
            "router_input", "routed_logits", "icr_forward", "save_router", "load_router", "TrainingData",
            "prepare", "LossWeights", "icr_loss", "alpha_schedule", "train_router", "task_vector",
            "task_vector_edits"]

@@ -157,25 +157,43 @@ class PIDs:
                    bias=info.get("bias", "paper"), **arrays)
 
 
-def extract_pids(model, variables, prompts, *, layers: Optional[Sequence[int]] = None, r: int = 8,
-                 center: bool = True, batch_size: int = 16, meta: Optional[dict] = None,
-                 progress: bool = False) -> PIDs:
-    """PCA of the last-token q and k projections (before rope, concatenated over heads) of
-    ``prompts`` (few-shot ``linicl.data.Prompt`` objects of the in-domain tasks) at each routed layer."""
+def pid_activations(model, variables, prompts, *, layers: Optional[Sequence[int]] = None, batch_size: int = 16,
+                    progress: bool = False) -> dict:
+    """The last-token q and k projections (before rope, concatenated over heads) of ``prompts`` at each
+    routed layer: ``{"layers": (l, ...), "q": [n_layers, N, heads * d_head], "k": [n_layers, N,
+    kv_heads * d_head]}``. Collected in parts (e.g. per task, to resume), they are concatenated along
+    N before ``fit_pids``."""
     cfg = config_of(model)
     layers = routed_layers(cfg) if layers is None else check_routable(cfg, layers)
     sites = [block_site(l, f"hook_{s}") for l in layers for s in ("q", "k")]
     acts = collect_activations(model, variables, prompts, sites, batch_size=batch_size, progress=progress)
+    n = len(acts[sites[0]])
+    return {"layers": layers, **{s: np.stack([acts[block_site(l, f"hook_{s}")].reshape(n, -1) for l in layers])
+                                 for s in ("q", "k")}}
+
+
+def fit_pids(acts: dict, *, r: int = 8, center: bool = True, meta: Optional[dict] = None) -> PIDs:
+    """PCA per routed layer of ``pid_activations``'s q and k (rank ``r``)."""
+    layers = tuple(acts["layers"])
     parts = {k: [] for k in _ARRAYS}
-    for l in layers:
+    for i, l in enumerate(layers):
         for s in ("q", "k"):
-            X = acts[block_site(l, f"hook_{s}")]
-            U, mean, ev = pca(X.reshape(X.shape[0], -1), r, center, name=block_site(l, f"hook_{s}"))
+            U, mean, ev = pca(acts[s][i], r, center, name=block_site(l, f"hook_{s}"))
             parts[f"U_{s}"].append(U)
             parts[f"mean_{s}"].append(mean)
             parts[f"explained_{s}"].append(ev)
-    info = {"n_prompts": len(acts[sites[0]]), "model": cfg.describe(), **(meta or {})}
+    info = {"n_prompts": int(acts["q"].shape[1]), **(meta or {})}
     return PIDs(layers=layers, centered=center, meta=info, **{k: np.stack(v) for k, v in parts.items()})
+
+
+def extract_pids(model, variables, prompts, *, layers: Optional[Sequence[int]] = None, r: int = 8,
+                 center: bool = True, batch_size: int = 16, meta: Optional[dict] = None,
+                 progress: bool = False) -> PIDs:
+    """PCA of the last-token q and k projections (before rope, concatenated over heads) of
+    ``prompts`` (few-shot ``linicl.data.Prompt`` objects of the in-domain tasks) at each routed layer:
+    ``fit_pids(pid_activations(...))``."""
+    acts = pid_activations(model, variables, prompts, layers=layers, batch_size=batch_size, progress=progress)
+    return fit_pids(acts, r=r, center=center, meta={"model": config_of(model).describe(), **(meta or {})})
 
 
 def random_basis(pids: PIDs, seed: int) -> PIDs:

@@ -350,3 +350,20 @@ def test_eval_sets_on_shared_folder(name, shared_dir):  # noqa: F811
         if task.labels:
             assert sorted(d.output for d in p.demos) == sorted(task.labels)
     assert batch_prompts(prompts).tokens.shape[0] == 8
+
+
+def test_a_multi_task_prompt_writes_each_demo_in_its_own_template():
+    """The ICR paper's OOD few-shot baseline: demos of other tasks, each as its task writes them,
+    then the query in its own template."""
+    tok = CharTokenizer()
+    demos = [ex("good film", "positive"), ex("Who?", "Person")]
+    query = ex("fine", "positive")
+    p = build_prompt(TEMPLATES["sst5"], demos, query, tok, demo_templates=[TEMPLATES["sst2"], TEMPLATES["trec"]])
+    assert p.text == ("Review: good film\nSentiment: positive\n\nQuestion: Who?\nAnswer Type: Person\n\n"
+                      "Sentence: fine\nSentiment:")
+    assert text_of(tok, p, DEMO_LABEL) == " positive Person"
+    same = build_prompt(TEMPLATES["sst2"], demos, query, tok)
+    assert same.text == build_prompt(TEMPLATES["sst2"], demos, query, tok,
+                                     demo_templates=[TEMPLATES["sst2"]] * 2).text
+    with pytest.raises(LiniclError, match="one template per demonstration"):
+        build_prompt(TEMPLATES["sst2"], demos, query, tok, demo_templates=[TEMPLATES["sst2"]])

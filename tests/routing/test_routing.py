@@ -378,3 +378,14 @@ def test_on_gemma_the_bias_projects_q_and_k_as_the_pids_saw_them():
     q = np.asarray(acts["blocks.2.attn.hook_q"]).reshape(3, 9, -1) @ pids.U_q[0]
     k = np.asarray(acts["blocks.2.attn.hook_k"]).reshape(3, 9, -1) @ pids.U_k[0]
     assert rel_err(shift, np.einsum("bh,btr,br,bsr->bhts", gamma[:, 0], q, alpha[:, 0], k)) <= EXACT_RTOL
+
+
+def test_pids_from_activations_collected_in_parts(setup):
+    """Collecting the activations in two parts and fitting once gives the PIDs of one collection."""
+    model, variables, prompts, pids = setup
+    a, b = (R.pid_activations(model, variables, part) for part in (prompts[:10], prompts[10:]))
+    joined = {"layers": a["layers"], "q": np.concatenate([a["q"], b["q"]], 1), "k": np.concatenate([a["k"], b["k"]], 1)}
+    again = R.fit_pids(joined, r=4)
+    for name in ("U_q", "U_k", "mean_q", "mean_k"):
+        assert rel_err(getattr(again, name), getattr(pids, name)) <= EXACT_RTOL, name
+    assert again.meta["n_prompts"] == len(prompts)
