@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+import flax.struct
 import numpy as np
 
 from linicl.config import ModelConfig
@@ -85,6 +86,16 @@ def pca(X: np.ndarray, r: int, center: bool = True, name: str = "X"):
     return vt[:r].T, mean, (s[:r] ** 2) / np.sum(s ** 2)
 
 
+@flax.struct.dataclass
+class RoutingBias:
+    """What the routing bias reads of a ``PIDs`` (``PIDs.routing_bias``), as a pytree: the routed
+    ``layers`` (static) and per layer the arrays of ``PIDs.bias_params``. Passed as an argument of a
+    jitted function, it lets one compilation serve every basis of the same shapes (PIDs, a random
+    basis, either bias scale)."""
+    layers: tuple = flax.struct.field(pytree_node=False)
+    params: tuple = ()
+
+
 @dataclass(frozen=True)
 class PIDs:
     """Principal ICL directions of the routed layers: ``U_q[i]: [heads * d_head, r]`` and
@@ -133,6 +144,10 @@ class PIDs:
                 "w_q": f64(np.ones(r) if paper else 1.0 / self.sd_q[i]),
                 "w_k": f64(np.ones(r) if paper else 1.0 / self.sd_k[i]),
                 "s": f64(1.0 if paper else self.bias_scale[i])}
+
+    def routing_bias(self) -> RoutingBias:
+        """The bias's arrays of every routed layer (``bias_params``) as a ``RoutingBias``."""
+        return RoutingBias(self.layers, tuple(self.bias_params(i) for i in range(len(self.layers))))
 
     def save(self, path) -> Path:
         """One ``.npz`` (arrays + a JSON string of the metadata)."""
@@ -241,7 +256,8 @@ def on_logit_scale(model, variables, pids: PIDs, prompts, *, batch_size: int = 1
     (``sd_k`` alike). Then ``bias_scale[l] = sigma_model / sigma_B``: ``sigma_model`` the std over
     keys s <= t of the model's own logits at ``hook_attn_scores``, ``sigma_B`` that of the whitened
     one-direction bias ``z_q[t, j] z_k[s, j]``, each the mean over query rows t >= 1, heads (or
-    directions) and prompts. Measured on the unrouted model."""
+    directions) and prompts. Measured on the unrouted model; ``meta["logit_std"]`` keeps sigma_model
+    per layer."""
     cfg = config_of(model)
     sites = {}
     for i, l in enumerate(pids.layers):
@@ -267,7 +283,7 @@ def on_logit_scale(model, variables, pids: PIDs, prompts, *, batch_size: int = 1
     acts = collect_activations(model, variables, prompts, list(sites), batch_size=batch_size, reduce=reduce,
                                progress=progress)
     sd = {"q": [], "k": []}
-    scale = []
+    scale, own = [], []
     for i, l in enumerate(pids.layers):
         z = {s: acts[block_site(l, f"hook_{s}")].astype(np.float64) for s in ("q", "k")}
         for s in ("q", "k"):
@@ -285,6 +301,7 @@ def on_logit_scale(model, variables, pids: PIDs, prompts, *, batch_size: int = 1
             raise DegenerateInputError(f"on_logit_scale: layer {l}: logit spread {sigma_model}, bias spread "
                                        f"{sigma_b}: no scale relates them")
         scale.append(sigma_model / sigma_b)
-    meta = {**pids.meta, "logit_scale_prompts": int(len(lengths))}
+        own.append(sigma_model)
+    meta = {**pids.meta, "logit_scale_prompts": int(len(lengths)), "logit_std": own}
     return dataclasses.replace(pids, bias="logit", sd_q=np.stack(sd["q"]), sd_k=np.stack(sd["k"]),
                                bias_scale=np.asarray(scale), meta=meta)

@@ -25,7 +25,7 @@ from linicl.errors import DataError
 from linicl.interventions import apply_fn, capture, with_edits
 from linicl.names import block_site
 from linicl.nn.transformer import config_of
-from linicl.routing.pids import PIDs
+from linicl.routing.pids import PIDs, RoutingBias
 
 SUFFIX = ".safetensors"
 _KIND = "linicl.routing.Router"
@@ -86,14 +86,19 @@ def _bias(scores, value, ctx):
     return scores + (value["gamma"][:, :, None, None] * B[:, None]).astype(scores.dtype)
 
 
-def routing_edits(pids: PIDs, alpha: jax.Array, gamma: jax.Array) -> list:
+def _as_bias(pids) -> RoutingBias:
+    return pids if isinstance(pids, RoutingBias) else pids.routing_bias()
+
+
+def routing_edits(pids, alpha: jax.Array, gamma: jax.Array) -> list:
     """The routing bias as edits at each routed layer's ``hook_attn_scores``
     (``alpha: [batch, n_layers, rank]``, ``gamma: [batch, n_layers, heads]``; the bias's size as
-    ``pids.bias`` says)."""
+    ``pids.bias`` says). ``pids``: a ``PIDs`` or its ``RoutingBias`` (the same below)."""
+    bias = _as_bias(pids)
     return [apply_fn(block_site(l, "hook_attn_scores"), _bias,
-                     {**{k: jnp.asarray(v) for k, v in pids.bias_params(i).items()},
+                     {**{k: jnp.asarray(v) for k, v in bias.params[i].items()},
                       "alpha": alpha[:, i], "gamma": gamma[:, i]})
-            for i, l in enumerate(pids.layers)]
+            for i, l in enumerate(bias.layers)]
 
 
 def router_input(h: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -109,7 +114,7 @@ def router_input(h: jax.Array, lengths: jax.Array) -> jax.Array:
     return (jnp.sum(jnp.where(real, h, 0).astype(jnp.float32), axis=1) / count).astype(jnp.float32)
 
 
-def routed_logits(model, variables, pids: PIDs, router: Router, router_params, h0, lengths,
+def routed_logits(model, variables, pids, router: Router, router_params, h0, lengths,
                   alpha_scale: float = 1.0, with_bias_size: bool = False):
     """Next-token logits ``[batch, vocab]`` at each row's last token with the router's bias, from the
     residual ``h0: [batch, seq, d_model]`` entering the first routed layer. Also returns (alpha, gamma)
@@ -117,6 +122,7 @@ def routed_logits(model, variables, pids: PIDs, router: Router, router_params, h
     and with ``with_bias_size`` the bias's size per routed layer (``bias_size``) as a third item.
     Only the routed blocks run (``first_layer``): h0 does not depend on the router."""
     cfg = config_of(model)
+    pids = _as_bias(pids)
     alpha, gamma = router.apply({"params": router_params}, router_input(h0, lengths))
     edited = with_edits(variables, routing_edits(pids, alpha * alpha_scale, gamma), cfg)
     if not with_bias_size:
@@ -129,17 +135,18 @@ def routed_logits(model, variables, pids: PIDs, router: Router, router_params, h
     return unembed(cfg, variables["params"], last_positions(h, lengths)), (alpha, gamma), size
 
 
-def bias_size(pids: PIDs, q, k, alpha, gamma, lengths) -> jax.Array:
+def bias_size(pids, q, k, alpha, gamma, lengths) -> jax.Array:
     """``[n_layers]``: per routed layer, the std over keys of the bias at each row's last query
     (mean gate over heads times the std of ``s z_q diag(alpha) z_k^T``), averaged over the batch.
     ``q[i], k[i]``: the layer's ``hook_q``/``hook_k`` ``[batch, seq, heads, d_head]``. The quantity to
     set beside the model's own logit spread (``PIDs`` docstring); no gradient flows through it."""
     out = []
+    pids = _as_bias(pids)
     T = q[0].shape[1]
     keys = jnp.arange(T)[None, :] < lengths[:, None]  # [b, T]
     for i in range(len(pids.layers)):
         dt = jnp.promote_types(q[i].dtype, jnp.float32)
-        p = {n: jnp.asarray(v).astype(dt) for n, v in pids.bias_params(i).items()}
+        p = {n: jnp.asarray(v).astype(dt) for n, v in pids.params[i].items()}
         qi = last_positions(q[i], lengths).reshape(q[i].shape[0], -1).astype(dt)
         ki = k[i].reshape(k[i].shape[0], T, -1).astype(dt)
         zq = ((qi - p["c_q"]) @ p["U_q"]) * p["w_q"]

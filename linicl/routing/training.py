@@ -14,6 +14,7 @@ through ``linicl.checkpoint`` and resumes bit-identically.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -127,6 +128,20 @@ def icr_loss(router_params, model, variables, pids, router, batch, alpha_scale, 
     return total, {"loss": total, "ce": ce, "conf": conf, "spar": spar, "gate": gate, "bias_size": size}
 
 
+def _optimizer(lr: float, weight_decay: float, clip: float):
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(lr, weight_decay=weight_decay))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "router", "weights", "target", "hyper"))
+def _step(params, opt, batch, scale, variables, bias, *, model, router, weights, target, hyper):
+    """One optimiser step. The LM's variables and the bias (``RoutingBias``) are arguments, not
+    constants: one compilation per model, router shape, loss and batch shape serves every arm."""
+    (_, logs), grads = jax.value_and_grad(icr_loss, has_aux=True)(
+        params, model, variables, bias, router, batch, scale, weights, target)
+    updates, opt = _optimizer(*hyper).update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt, logs
+
+
 def alpha_schedule(progress: float, start: float = 1.0, end: float = 0.8) -> float:
     """The alpha scale, cosine-annealed from ``start`` to ``end`` as training ``progress`` goes 0 -> 1."""
     return end + (start - end) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
@@ -167,8 +182,8 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
     if target == "labels" and data.candidates is None:
         raise LiniclError("target='labels' needs TrainingData.candidates (prepare(..., candidates=...))")
     router, params = make_router(model, pids, hidden=hidden, seed=seed)
-    tx = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(lr, weight_decay=weight_decay))
-    opt = tx.init(params)
+    hyper = (float(lr), float(weight_decay), float(clip))
+    opt = _optimizer(*hyper).init(params)
     N = len(data.y)
     steps_per_epoch = max(1, N // batch_size)
     total = epochs * steps_per_epoch
@@ -177,13 +192,8 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
     if checkpoint is not None and ckpt.exists(checkpoint):
         start, params, opt, history = _resume(checkpoint, params, opt, total)
 
-    @jax.jit
-    def step(params, opt, batch, scale):
-        (_, logs), grads = jax.value_and_grad(icr_loss, has_aux=True)(
-            params, model, variables, pids, router, batch, scale, weights, target)
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, logs
-
+    bias = pids.routing_bias()
+    static = dict(model=model, router=router, weights=weights, target=target, hyper=hyper)
     rng = np.random.default_rng(seed)
     bar = tqdm(total=total, initial=start, desc="router", disable=not progress)
     for epoch in range(epochs):
@@ -193,11 +203,15 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
             if t < start:
                 continue
             idx = order[s * batch_size:(s + 1) * batch_size]
-            batch = (jnp.asarray(data.h0[idx]), jnp.asarray(data.lengths[idx]), jnp.asarray(data.y[idx]),
+            # Cut the batch to its longest query, rounded up to a power of two >= 32 (few shapes to
+            # compile): the causal routed blocks give the same logits at the real tokens.
+            width = min(data.h0.shape[1], max(32, 1 << (int(data.lengths[idx].max()) - 1).bit_length()))
+            batch = (jnp.asarray(data.h0[idx, :width]), jnp.asarray(data.lengths[idx]), jnp.asarray(data.y[idx]),
                      jnp.asarray(data.H_zs[idx]))
             if target == "labels":
                 batch += (jnp.asarray(data.candidates[idx]),)
-            params, opt, logs = step(params, opt, batch, jnp.float32(alpha_schedule(t / max(1, total - 1))))
+            params, opt, logs = _step(params, opt, batch, jnp.float32(alpha_schedule(t / max(1, total - 1))),
+                                      variables, bias, **static)
             if t % log_every == 0 or t == total - 1:
                 history.append({"step": t, "alpha_scale": alpha_schedule(t / max(1, total - 1)),
                                 **{k: (np.asarray(v).tolist() if np.ndim(v) else float(v)) for k, v in logs.items()}})

@@ -12,7 +12,7 @@ from helpers import REPO, smollm2_only
 from linicl.stats import wilson
 
 SCRIPT = REPO / "experiments" / "routing.py"
-PHASES = ("load_s", "pids_s", "caching_s", "training_s", "eval_s", "total_s")
+PHASES = ("load_s", "pids_s", "bases_s", "caching_s", "training_s", "eval_s", "total_s")
 
 
 def _script():
@@ -48,47 +48,85 @@ def test_summary_counts_only_significant_collapses_and_checks_the_targets():
     results = {"a": _row(40, **{"zero-shot": 20, "few-shot": 36, "ICR": 28, "task-vector": 19}),
                "b": _row(40, **{"zero-shot": 20, "few-shot": 18, "ICR": 21, "task-vector": 20}),
                "c": _row(40, **{"zero-shot": 30, "few-shot": 32, "ICR": 5, "task-vector": 30})}
-    s = ex.summarise(results, ["a", "b"], ["c"])
+    s = ex.summarise(results, {"ID": ["a", "b"], "near": [], "far": ["c"]})
     assert s["ID"]["ICR"] == pytest.approx(0.6125) and s["OOD"]["ICR"] == pytest.approx(0.125)
+    assert s["far"]["ICR"] == pytest.approx(0.125) and "near" not in s
     # 19 vs 20 (a) and 18 vs 20 (b) are below zero-shot, but not significantly: no collapse
     assert s["collapses"] == {"few-shot": 0, "ICR": 1, "task-vector": 0}
     assert s["collapsed_tasks"]["ICR"] == ["c"]
-    assert s["targets"]["ICR_ID_gain_points"] == pytest.approx(11.25) and s["targets"]["ID_gain_at_least_5_points"]
-    assert not s["targets"]["no_collapses"]
-    pooled = s["targets"]["ICR_ID_gain_pooled"]
+    t = s["targets"]["ICR"]
+    assert t["ID_gain_points"] == pytest.approx(11.25) and t["ID_gain_at_least_5_points"] and not t["no_collapses"]
+    pooled = t["ID_gain_pooled"]
     assert pooled["value"] == pytest.approx(9 / 80) and pooled["low"] <= pooled["value"] <= pooled["high"]
     # recovered only where the few-shot gain is significant (a: 36 vs 20; not b, not c)
     rec = s["compare"]["a"]["ICR"]["recovered"]
     assert rec["value"] == pytest.approx(0.5) and rec["low"] < 0.5 < rec["high"]
     assert s["compare"]["b"]["ICR"]["recovered"] is None and s["compare"]["c"]["ICR"]["recovered"] is None
-    text = ex.table(results, s, ["a", "b"], ["c"])
+    text = ex.table(results, s)
     assert "| a | ID | 40 | 50.0 [35.2, 64.8] | 90.0 [76.9, 96.0] | 70.0 [54.6, 81.9] | 47.5 [32.9, 62.5] |" in text
     assert "| **ID average** | | | 50.0 | 67.5 | 61.3 | 48.8 |" in text
-    assert "| **collapses** | | | - | 0 | 1 | 0 |" in text and "NOT met (1: c)" in text
+    assert "| **collapses** | | | - | 0 | 1 | 0 |" in text and "ICR: collapses 1 (c)" in text
     assert "rec 0.50 [" in text and "COLLAPSED" in text and "Wilson" in text
+
+
+def test_pids_against_the_random_basis_on_ood_pooled_and_paired():
+    ex = _script()
+    results = {"a": _row(40, **{"zero-shot": 20, "ICR-logit": 25, "ICR-logit-random": 20}),
+               "b": _row(40, **{"zero-shot": 20, "ICR-logit": 20, "ICR-logit-random": 20}),
+               "c": _row(40, **{"zero-shot": 20, "ICR-logit": 30, "ICR-logit-random": 20})}
+    s = ex.summarise(results, {"ID": ["a"], "near": ["b"], "far": ["c"]})
+    vs = s["targets"]["ICR-logit_vs_ICR-logit-random_OOD"]
+    assert vs["value"] == pytest.approx(10 / 80) and vs["low"] > 0  # b: 0, c: +10 of 80 pooled
+    assert "ICR-logit minus ICR-logit-random on the OOD tasks' pooled queries: 12.5" in ex.table(results, s)
+
+
+def test_seeds_pool_and_few_shot_is_compared_on_its_own_items():
+    """Rows of two seeds pool in seed order; a method scored on the first items only (the few-shot
+    baseline) is compared with zero-shot on those items."""
+    ex = _script()
+    one = _row(4, **{"zero-shot": 2, "few-shot": 2, "ICR": 3})
+    for row in (one,):
+        d = row["detail"]["few-shot"]
+        d["correct"], d["items"] = d["correct"][:2], [0, 1]
+        for m in ("zero-shot", "ICR"):
+            row["detail"][m]["items"] = list(range(4))
+    two = _row(4, **{"zero-shot": 1, "few-shot": 4, "ICR": 1})
+    for m in ("zero-shot", "few-shot", "ICR"):
+        two["detail"][m]["items"] = list(range(4))
+    pooled = ex.pool_seeds({"1": two, "0": one})
+    assert pooled["n"] == 8 and pooled["seeds"] == [0, 1]
+    assert pooled["detail"]["few-shot"]["items"] == [0, 1, 4, 5, 6, 7]
+    assert pooled["few-shot"] == pytest.approx(6 / 6) and pooled["zero-shot"] == pytest.approx(3 / 8)
+    few, zero = ex.aligned(pooled, "few-shot", "zero-shot")
+    assert few.tolist() == [1, 1, 1, 1, 1, 1] and zero.tolist() == [1, 1, 1, 0, 0, 0]
 
 
 def test_a_constant_predictor_is_marked():
     ex = _script()
     results = {"a": _row(10, **{"zero-shot": 5, "few-shot": 10, "ICR": 10, "task-vector": 0})}
-    text = ex.table(results, ex.summarise(results, ["a"], []), ["a"], [])
+    text = ex.table(results, ex.summarise(results, {"ID": ["a"], "near": [], "far": []}))
     assert "100.0 [72.2, 100.0] (const)" in text and "0.0 [0.0, 27.8] (const)" in text
     assert "50.0 [23.7, 76.3] |" in text  # zero-shot, 5 of 10 right: not constant
 
 
-def test_eval_tasks_and_bos_flags():
+def test_flags_tasks_arms_seeds_and_bos():
     ex = _script()
-    a = ex.parse_args(["--id-tasks", "sst2,trec", "--ood-tasks", "cb", "--eval-tasks", "cb,sst2", "--bos", "on"])
-    assert ex.eval_task_names(a) == ["sst2", "cb"] and ex.BOS_FLAG[a.bos] is True
-    assert ex.eval_task_names(ex.parse_args(["--quick"])) == ["sst2", "cb"]
+    a = ex.parse_args(["--id-tasks", "sst2,trec", "--near-tasks", "mr", "--far-tasks", "cb_abc",
+                       "--eval-tasks", "cb_abc,sst2", "--bos", "on"])
+    assert ex.eval_task_names(a) == ["sst2", "cb_abc"] and ex.BOS_FLAG[a.bos] is True
+    assert ex.eval_task_names(ex.parse_args(["--quick"])) == ["sst2", "mr", "cb_abc"]
     assert ex.BOS_FLAG[ex.parse_args([]).bos] is None  # auto: the tokenizer's convention
+    paper = ex.parse_args(["--protocol", "paper"])
+    assert (paper.pid_prompts, paper.train, paper.epochs, paper.n_eval, ex.seeds_of(paper)) == (1000, 5000, 2, 500,
+                                                                                                 [0, 1, 2])
+    assert (paper.batch, paper.lr, paper.pid_shots) == (4, 1e-4, 5)
     # which tasks are evaluated changes no task's numbers; BOS does
     q = ex.parse_args(["--quick"])
-    assert ex.fingerprint(q) == ex.fingerprint(ex.parse_args(["--quick", "--eval-tasks", "cb"]))
+    assert ex.fingerprint(q) == ex.fingerprint(ex.parse_args(["--quick", "--eval-tasks", "cb_abc"]))
     assert ex.fingerprint(q) != ex.fingerprint(ex.parse_args(["--quick", "--bos", "on"]))
-    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--eval-tasks", "trec"], capture_output=True,
-                         text=True)
-    assert run.returncode == 2 and "--eval-tasks" in run.stderr and "trec" in run.stderr
+    for bad in (["--quick", "--eval-tasks", "trec"], ["--arms", "ICR,nope"], ["--seeds", "a"]):
+        run = subprocess.run([sys.executable, str(SCRIPT), *bad], capture_output=True, text=True)
+        assert run.returncode == 2 and bad[-2] in run.stderr, bad
 
 
 def test_the_fingerprint_ignores_only_where_the_output_goes():
@@ -105,17 +143,23 @@ def test_quick_run_writes_json_and_plot(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads((tmp_path / "routing.json").read_text())
-    assert set(record["results"]) == {"sst2", "cb"} and record["add_bos"] is False  # SmolLM2 says no
+    assert set(record["results"]) == {"sst2", "mr", "cb_abc"} and record["add_bos"] is False
     for row in record["results"].values():
-        for method in ("zero-shot", "few-shot", "ICR", "ICR-random-basis", "task-vector"):
+        for method in ("zero-shot", "few-shot", "task-vector", "ICR", "ICR-logit", "ICR-logit-random"):
             d = row["detail"][method]
-            assert 0.0 <= d["ci_low"] <= row[method] <= d["ci_high"] <= 1.0 and len(d["correct"]) == row["n"]
-    assert all(math.isfinite(h["loss"]) for h in record["history"])
+            assert 0.0 <= d["ci_low"] <= row[method] <= d["ci_high"] <= 1.0 and len(d["correct"]) == len(d["items"])
+        assert len(row["detail"]["few-shot"]["correct"]) == 4 and len(row["detail"]["ICR"]["correct"]) == row["n"]
+    for arm in ("ICR", "ICR-logit", "ICR-logit-random"):
+        assert all(math.isfinite(h["loss"]) for h in record["history"][arm])
+        assert len(record["history"][arm][-1]["bias_size"]) == len(record["routed_layers"])
+    # the logit-scale arms are calibrated; the PIDs and the random basis each to the model's spread
+    assert record["bias_scale"]["pids_paper"] is None and len(record["bias_scale"]["random_logit"]) == 10
+    assert len(record["logit_std"]) == 10 and "Bias sizes" in record["table"]
     assert all(record["timings"][k] > 0 for k in PHASES) and not record["resumed"]
-    assert record["timings"]["total_s"] >= record["timings"]["eval_s"] + record["timings"]["training_s"]
     assert "**collapses**" in run.stdout and "**collapses**" in (tmp_path / "routing.md").read_text()
     assert (tmp_path / "routing.png").stat().st_size > 0 and (tmp_path / "pids.npz").exists()
-    for name in ("router.safetensors", "router_random_basis.safetensors", "ckpt/router.safetensors", "progress.json"):
+    for name in ("router_ICR.safetensors", "router_ICR-logit-random.safetensors", "ckpt/router_ICR.safetensors",
+                 "progress.json", "pid_acts/sst2.npz", "cache/sst2.npz", "pids_random_logit.npz"):
         assert (tmp_path / name).exists(), name
     # A resumed run reuses everything (PIDs, routers, finished tasks) and reports the same numbers.
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=1800)
@@ -123,8 +167,8 @@ def test_quick_run_writes_json_and_plot(tmp_path):
     resumed = json.loads((tmp_path / "routing.json").read_text())
     assert resumed["resumed"] and resumed["results"] == record["results"]
     assert resumed["timings"]["pids_s"] == record["timings"]["pids_s"]
-    # --eval-tasks on a resume: the router is reused and only the task asked for is reported
-    only = subprocess.run(cmd + ["--resume", "--eval-tasks", "cb"], capture_output=True, text=True, timeout=1800)
+    # --eval-tasks on a resume: the routers are reused and only the task asked for is reported
+    only = subprocess.run(cmd + ["--resume", "--eval-tasks", "cb_abc"], capture_output=True, text=True, timeout=1800)
     assert only.returncode == 0, only.stderr[-3000:]
     one = json.loads((tmp_path / "routing.json").read_text())
-    assert set(one["results"]) == {"cb"} and one["results"]["cb"] == record["results"]["cb"]
+    assert set(one["results"]) == {"cb_abc"} and one["results"]["cb_abc"] == record["results"]["cb_abc"]
