@@ -73,7 +73,7 @@ ARMS = {"ICR": ("pids", "paper", "vocab"), "ICR-random": ("random", "paper", "vo
         "ICR-logit": ("pids", "logit", "vocab"), "ICR-logit-random": ("random", "logit", "vocab"),
         "ICR-logit-labels": ("pids", "logit", "labels")}
 PAPER = dict(pid_prompts=1000, train=5000, epochs=2, n_eval=500, n_eval_fewshot=500, seeds="0,1,2")
-QUICK = dict(id_tasks="sst2", near_tasks="mr", far_tasks="cb_abc", pid_prompts=6, pid_shots=1, train=12,
+QUICK = dict(id_tasks="sst2", near_tasks="mr", far_tasks="cb_abc", pid_prompts=10, pid_shots=1, train=12,
              epochs=1, n_eval=8, n_eval_fewshot=4, tv_prompts=3, calib=8, seeds="0", shots=1, ood_shots=1,
              arms="ICR,ICR-logit,ICR-logit-random")
 
@@ -120,6 +120,9 @@ def parse_args(argv=None):
         eval_task_names(args)
         arm_names(args)
         seeds_of(args)
+        if args.pid_prompts * len(groups(args)["ID"]) <= args.rank:
+            raise ValueError(f"--pid-prompts x ID tasks ({args.pid_prompts} x {len(groups(args)['ID'])}) must exceed "
+                             f"--rank {args.rank}: a PCA of rank r needs more than r prompts")
     except ValueError as e:
         p.error(str(e))
     return args

@@ -124,9 +124,11 @@ def test_flags_tasks_arms_seeds_and_bos():
     q = ex.parse_args(["--quick"])
     assert ex.fingerprint(q) == ex.fingerprint(ex.parse_args(["--quick", "--eval-tasks", "cb_abc"]))
     assert ex.fingerprint(q) != ex.fingerprint(ex.parse_args(["--quick", "--bos", "on"]))
-    for bad in (["--quick", "--eval-tasks", "trec"], ["--arms", "ICR,nope"], ["--seeds", "a"]):
+    for bad in (["--quick", "--eval-tasks", "trec"], ["--arms", "ICR,nope"], ["--seeds", "a"],
+                ["--id-tasks", "sst2", "--pid-prompts", "4"]):
         run = subprocess.run([sys.executable, str(SCRIPT), *bad], capture_output=True, text=True)
         assert run.returncode == 2 and bad[-2] in run.stderr, bad
+    assert "a PCA of rank r needs more than r prompts" in run.stderr
 
 
 def test_the_fingerprint_ignores_only_where_the_output_goes():
