@@ -356,8 +356,10 @@ def evaluate_task(model, variables, tokenizer, task, id_tasks, methods: dict, se
                                    extras=np.tile(vector.astype(np.float32), (zs.n, 1)), **common))
     for name, (arm_pids, router, params) in methods.items():
         status(name)
-        record(name, evaluate(model, {**variables, "router": params}, tokenizer, task, k=0,
-                              forward=forward_for(model, arm_pids, router), **common))
+        # the basis as an argument: one compiled forward serves every arm (same router and basis shapes)
+        arm_vars = {**variables, "router": params, "routing_bias": arm_pids.routing_bias()}
+        record(name, evaluate(model, arm_vars, tokenizer, task, k=0, forward=forward_for(model, arm_pids, router),
+                              **common))
     return dict(row, n=zs.n, metric=zs.metric, detail=detail)
 
 
@@ -365,9 +367,10 @@ _FORWARDS: dict = {}
 
 
 def forward_for(model, pids, router):
-    """One forward function per (PIDs, router) so the harness compiles it once."""
+    """One forward function per (routed layers, router) so the harness compiles it once for every arm
+    (the basis comes in ``variables["routing_bias"]``)."""
     from linicl import routing
-    key = (id(pids), router)
+    key = (pids.layers, router)
     if key not in _FORWARDS:
         _FORWARDS[key] = routing.icr_forward(model, pids, router)
     return _FORWARDS[key]

@@ -159,16 +159,23 @@ def bias_size(pids, q, k, alpha, gamma, lengths) -> jax.Array:
     return jax.lax.stop_gradient(jnp.stack(out))
 
 
+ROUTING_KEYS = ("router", "routing_bias")  # what icr_forward reads of the variables besides the LM's
+
+
 def icr_forward(model, pids: PIDs, router: Router):
     """The ``forward(variables, tokens, lengths)`` hook of ``linicl.evaluate`` for a trained router:
-    ``variables["router"]`` holds its params (pass ``{**variables, "router": params}``)."""
+    ``variables["router"]`` holds its params (pass ``{**variables, "router": params}``). With
+    ``variables["routing_bias"]`` (``PIDs.routing_bias()`` of a basis with ``pids``'s layers and
+    shapes) the bias is that basis's, an argument rather than a constant: one forward function, and so
+    one compilation, serves every router of the same shape on every such basis."""
     entry = block_site(pids.layers[0], "hook_resid_pre")
 
     def forward(variables, tokens, lengths):
         router_params = variables["router"]
-        base = {k: v for k, v in variables.items() if k != "router"}
+        bias = variables.get("routing_bias", pids)
+        base = {k: v for k, v in variables.items() if k not in ROUTING_KEYS}
         _, acts = capture(model, base, tokens, names=[entry], hidden=True)  # later blocks are dropped
-        return routed_logits(model, base, pids, router, router_params, acts[entry], lengths)[0]
+        return routed_logits(model, base, bias, router, router_params, acts[entry], lengths)[0]
     return forward
 
 

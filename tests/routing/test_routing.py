@@ -389,3 +389,19 @@ def test_pids_from_activations_collected_in_parts(setup):
     for name in ("U_q", "U_k", "mean_q", "mean_k"):
         assert rel_err(getattr(again, name), getattr(pids, name)) <= EXACT_RTOL, name
     assert again.meta["n_prompts"] == len(prompts)
+
+
+def test_one_icr_forward_serves_every_basis_through_the_variables(setup):
+    """``variables["routing_bias"]`` overrides the forward's own basis: the logits equal those of a
+    forward built on that basis."""
+    model, variables, prompts, pids = setup
+    router, params = _random_router(model, pids)
+    other = R.random_basis(pids, 3)
+    shared = R.icr_forward(model, pids, router)
+    via_variables = np.stack(run_logprobs(model, {**variables, "router": params, "routing_bias": other.routing_bias()},
+                                          prompts, forward=shared))
+    own = np.stack(run_logprobs(model, {**variables, "router": params}, prompts,
+                                forward=R.icr_forward(model, other, router)))
+    assert rel_err(via_variables, own) <= EXACT_RTOL
+    base = np.stack(run_logprobs(model, {**variables, "router": params}, prompts, forward=shared))
+    assert rel_err(via_variables, base) >= BASELINE_MIN  # the basis matters
