@@ -37,7 +37,9 @@ here (the router reads the LM's own residual, ``linicl.routing.router_input``).
 
 ``--protocol paper`` sets the paper's sizes (1,000 PID prompts and 5,000 training queries per ID task,
 2 epochs, 500 items and 3 seeds): many hours on 2 CPU cores, run across sessions with ``--resume``.
-The default is a reduced size meant to finish in about one 3-hour session on 2 cores.
+The default is a reduced size (100 PID prompts and 1,000 training queries per ID task, 1 epoch, 200
+items, few-shot on 100, 1 seed); it too takes hours on 2 cores (the 5-per-class PID prompts of AG News
+and CSQA are ~1,300 tokens each), so it resumes as well; the JSON records each phase's time.
 
     python experiments/routing.py --quick           # minutes on 2 CPU cores (CI)
     python experiments/routing.py --resume          # the default size
