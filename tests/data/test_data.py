@@ -44,8 +44,11 @@ def full_dir() -> Path:
     the fingerprints of every task): no sample can stand in for those."""
     root = full_data_dir()
     if root is None:
-        pytest.skip(f"checks the full data sets: {ds.ENV_VAR} is not set and the cache {ds.default_data_dir()} "
-                    f"is not complete; run `linicl data fetch` or set {ds.ENV_VAR}=../shared/data")
+        import os
+        from helpers import missing_tasks
+        where = Path(os.environ[ds.ENV_VAR]) if os.environ.get(ds.ENV_VAR) else ds.default_data_dir()
+        pytest.skip(f"checks the full data sets: {where} ({ds.ENV_VAR} if set, else the cache) lacks the files of "
+                    f"{missing_tasks(where)}; run `linicl data fetch` or set {ds.ENV_VAR} to a complete copy")
     return root
 
 
