@@ -326,14 +326,19 @@ def _parse_trec(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> 
     return out
 
 
+def _column_indices(path: Path, spec: TaskSpec, header: Sequence[str], what: str) -> list[int]:
+    """Positions in ``header`` of the spec's field columns, then its label column (csv, tsv)."""
+    columns = [col for _, col in spec.fields] + [spec.label_field]
+    if missing := [col for col in columns if col not in header]:
+        raise _bad(path, "line 1", f"expected {what} with the columns {columns} (spec {spec.where}), "
+                   f"got {list(header)}; missing {missing}")
+    return [header.index(col) for col in columns]
+
+
 def _parse_csv(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> list[Example]:
     rows = csv.reader(io.StringIO(_read_text(path, spec.encoding), newline=""))
     header = next(rows, None) or []
-    columns = [col for _, col in spec.fields] + [spec.label_field]
-    if missing := [col for col in columns if col not in header]:
-        raise _bad(path, "line 1", f"expected a header with the columns {columns} (spec {spec.where}), "
-                   f"got {header}; missing {missing}")
-    at = [header.index(col) for col in columns]
+    at = _column_indices(path, spec, header, "a header")
     out = []
     # csv joins quoted multi-line fields, so report the reader's own line number.
     for row in rows:
@@ -351,11 +356,7 @@ def _parse_tsv(path: Path, spec: TaskSpec, words: Mapping[str, str] | None) -> l
     """Tab-separated with a header row and no quoting (MRPC's sentences hold unbalanced quotes)."""
     lines = _read_text(path, spec.encoding).lstrip("\ufeff").splitlines()
     header = lines[0].split("\t") if lines else []
-    columns = [col for _, col in spec.fields] + [spec.label_field]
-    if missing := [col for col in columns if col not in header]:
-        raise _bad(path, "line 1", f"expected a tab-separated header with the columns {columns} (spec "
-                   f"{spec.where}), got {header}; missing {missing}")
-    at = [header.index(col) for col in columns]
+    at = _column_indices(path, spec, header, "a tab-separated header")
     out = []
     for no, line in enumerate(lines[1:], start=2):
         if not line.strip():

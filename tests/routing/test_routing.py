@@ -237,6 +237,19 @@ def _scores_shift(model, variables, pids, alpha, gamma, toks):
     return capture(model, edited, toks, names=[name])[1][name] - plain, plain
 
 
+def _random_alpha_gamma(seed, batch, rank, heads):
+    """alpha ``[batch, 1, rank]`` (normal) and gamma ``[batch, 1, heads]`` (uniform) for one routed layer."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=(batch, 1, rank))), jnp.asarray(rng.uniform(size=(batch, 1, heads)))
+
+
+def _qk(model, variables, toks, layer):
+    """The layer's hook_q and hook_k of ``toks`` (the unrouted model)."""
+    names = [f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"]
+    acts = capture(model, variables, toks, names=names)[1]
+    return acts[names[0]], acts[names[1]]
+
+
 def _row_std(x, T):
     """Mean over rows t >= 1 of the std over keys s <= t of ``x: [..., T, T]`` (all rows real)."""
     return np.mean([x[..., t, :t + 1].std(-1).mean() for t in range(1, T)])
@@ -257,14 +270,11 @@ def test_the_paper_bias_is_the_formula(setup, last_layer):
     rope), unscaled: checked against the model's own edited scores."""
     model, variables, _, _ = setup
     pids, toks = last_layer
-    rng = np.random.default_rng(3)
-    alpha = jnp.asarray(rng.normal(size=(12, 1, 3)))
-    gamma = jnp.asarray(rng.uniform(size=(12, 1, model.cfg.n_heads)))
+    alpha, gamma = _random_alpha_gamma(3, 12, 3, model.cfg.n_heads)
     shift, _ = _scores_shift(model, variables, pids, alpha, gamma, toks)
-    l = pids.layers[0]
-    acts = capture(model, variables, toks, names=[f"blocks.{l}.attn.hook_q", f"blocks.{l}.attn.hook_k"])[1]
-    q = np.asarray(acts[f"blocks.{l}.attn.hook_q"]).reshape(12, 10, -1) @ pids.U_q[0]
-    k = np.asarray(acts[f"blocks.{l}.attn.hook_k"]).reshape(12, 10, -1) @ pids.U_k[0]
+    q, k = _qk(model, variables, toks, pids.layers[0])
+    q = np.asarray(q).reshape(12, 10, -1) @ pids.U_q[0]
+    k = np.asarray(k).reshape(12, 10, -1) @ pids.U_k[0]
     want = np.einsum("bh,btr,br,bsr->bhts", gamma[:, 0], q, alpha[:, 0], k)
     assert rel_err(shift, want) <= EXACT_RTOL
 
@@ -322,14 +332,10 @@ def test_bias_size_is_the_last_rows_spread_and_training_logs_it(setup, last_laye
     averaged over the batch, as the model applies it."""
     model, variables, _, _ = setup
     pids, toks = last_layer
-    rng = np.random.default_rng(4)
-    alpha = jnp.asarray(rng.normal(size=(12, 1, 3)))
-    gamma = jnp.asarray(rng.uniform(size=(12, 1, model.cfg.n_heads)))
+    alpha, gamma = _random_alpha_gamma(4, 12, 3, model.cfg.n_heads)
     shift, _ = _scores_shift(model, variables, pids, alpha, gamma, toks)
-    l = pids.layers[0]
-    acts = capture(model, variables, toks, names=[f"blocks.{l}.attn.hook_q", f"blocks.{l}.attn.hook_k"])[1]
-    size = R.bias_size(pids, [acts[f"blocks.{l}.attn.hook_q"]], [acts[f"blocks.{l}.attn.hook_k"]], alpha, gamma,
-                       jnp.full((12,), 10))
+    q, k = _qk(model, variables, toks, pids.layers[0])
+    size = R.bias_size(pids, [q], [k], alpha, gamma, jnp.full((12,), 10))
     want = np.mean(np.asarray(shift)[:, :, -1, :].std(-1).mean(-1))  # heads differ only by their gate
     assert rel_err(size, np.array([want])) <= EXACT_RTOL
 
@@ -371,12 +377,11 @@ def test_on_gemma_the_bias_projects_q_and_k_as_the_pids_saw_them():
     prompts = [rng.integers(0, model.cfg.vocab_size, 9).astype(np.int32) for _ in range(12)]
     pids = R.extract_pids(model, variables, prompts, r=2)
     toks = jnp.asarray(np.stack(prompts[:3]))
-    alpha = jnp.asarray(rng.normal(size=(3, 1, 2)))
-    gamma = jnp.asarray(rng.uniform(size=(3, 1, model.cfg.n_heads)))
+    alpha, gamma = _random_alpha_gamma(2, 3, 2, model.cfg.n_heads)
     shift, _ = _scores_shift(model, variables, pids, alpha, gamma, toks)
-    acts = capture(model, variables, toks, names=["blocks.2.attn.hook_q", "blocks.2.attn.hook_k"])[1]
-    q = np.asarray(acts["blocks.2.attn.hook_q"]).reshape(3, 9, -1) @ pids.U_q[0]
-    k = np.asarray(acts["blocks.2.attn.hook_k"]).reshape(3, 9, -1) @ pids.U_k[0]
+    q, k = _qk(model, variables, toks, 2)
+    q = np.asarray(q).reshape(3, 9, -1) @ pids.U_q[0]
+    k = np.asarray(k).reshape(3, 9, -1) @ pids.U_k[0]
     assert rel_err(shift, np.einsum("bh,btr,br,bsr->bhts", gamma[:, 0], q, alpha[:, 0], k)) <= EXACT_RTOL
 
 
