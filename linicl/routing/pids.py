@@ -120,6 +120,8 @@ class PIDs:
     bias_scale: Optional[np.ndarray] = None
 
     def __post_init__(self):
+        # plain ints (layers read back from an .npz are numpy ints): they key compiled functions and go to JSON
+        object.__setattr__(self, "layers", tuple(int(l) for l in self.layers))
         if self.bias not in BIAS_SCALES:
             raise LiniclError(f"PIDs.bias must be one of {BIAS_SCALES}, got {self.bias!r}")
         given = [getattr(self, k) is not None for k in _SCALE_ARRAYS]

@@ -150,6 +150,20 @@ def test_alpha_schedule_is_a_cosine_from_one_to_point_eight():
     assert R.alpha_schedule(0.5) == pytest.approx(0.9)
 
 
+def test_activations_read_back_from_npz_fit_and_save(setup, tmp_path):
+    """Collected in parts and saved (as a resumed run does), the layers come back as numpy ints: the
+    PIDs fitted on them hold plain ints and save (JSON) like fresh ones."""
+    model, variables, prompts, pids = setup
+    acts = R.pid_activations(model, variables, prompts)
+    np.savez(tmp_path / "acts.npz", layers=np.asarray(acts["layers"]), q=acts["q"], k=acts["k"])
+    with np.load(tmp_path / "acts.npz") as f:
+        back = {"layers": tuple(f["layers"]), "q": f["q"], "k": f["k"]}
+    assert isinstance(back["layers"][0], np.integer)
+    refit = R.fit_pids(back, r=4)
+    assert refit.layers == pids.layers and all(type(l) is int for l in refit.layers)
+    assert R.PIDs.load(refit.save(tmp_path / "p")).layers == pids.layers
+
+
 def test_save_and_load_round_trips(setup, tmp_path):
     model, _, _, pids = setup
     loaded = R.PIDs.load(pids.save(tmp_path / "pids"))
