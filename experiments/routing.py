@@ -25,15 +25,19 @@ Steps (each timed; ``timings`` in the JSON; everything long is saved as it is ma
    (ID: ``--shots`` per class, class-balanced; OOD: ``--ood-shots`` from each ID task, each in its own
    template, before the query: the paper's multi-task few-shot) on the first ``--n-eval-fewshot`` of
    the items; a task vector (``linicl.routing.task_vector``: few-shot minus zero-shot mean last-token
-   residual at the middle layer, from the task's own training split with one demo per class); each arm.
-   ``--n-eval`` items per task (all when fewer: cb_abc 56, copa 100).
+   residual at the middle layer, from the task's own training split with one demo per class); on ID
+   tasks (as the paper) a function vector (``linicl.routing.function_vector``: the ``--fv-heads`` heads
+   whose mean output most restores the answer on the same prompts with wrong demo labels, by activation
+   patching of the ``--fv-screen`` heads of largest attribution; added at layer L/3, as Todd et al.),
+   ``OUT/fv/<task>.npz``; each arm. ``--n-eval`` items per task (all when fewer: cb_abc 56, copa 100).
+   A resumed run evaluates only the methods a (task, seed) row lacks.
 
 Reported: accuracy per task and method (pooled over seeds, 95 % Wilson), each method minus zero-shot on
 the same queries (paired bootstrap), the share of the few-shot gain recovered where that gain is
 significant, collapses (significantly below zero-shot), ID / near / far / OOD averages, the targets:
 no collapse for ICR, ICR's pooled ID gain >= 5 points, PIDs >= random basis at the same bias size on
-OOD (pooled, paired), and the bias sizes. Function vectors and the paper's MiniLM router input are not
-here (the router reads the LM's own residual, ``linicl.routing.router_input``).
+OOD (pooled, paired), and the bias sizes. The paper's MiniLM router input is not here (the router
+reads the LM's own residual, ``linicl.routing.router_input``).
 
 ``--protocol paper`` sets the paper's sizes (1,000 PID prompts and 5,000 training queries per ID task,
 2 epochs, 500 items and 3 seeds): many hours on 2 CPU cores, run across sessions with ``--resume``.
@@ -77,7 +81,8 @@ ARMS = {"ICR": ("pids", "paper", "vocab"), "ICR-random": ("random", "paper", "vo
 PAPER = dict(pid_prompts=1000, train=5000, epochs=2, n_eval=500, n_eval_fewshot=500, seeds="0,1,2")
 QUICK = dict(id_tasks="sst2", near_tasks="mr", far_tasks="cb_abc", pid_prompts=10, pid_shots=1, train=12,
              epochs=1, n_eval=8, n_eval_fewshot=4, tv_prompts=3, calib=8, seeds="0", shots=1, ood_shots=1,
-             arms="ICR,ICR-logit,ICR-logit-random")
+             arms="ICR,ICR-logit,ICR-logit-random", fv_heads=2, fv_screen=4)
+FV_SETTINGS = ("fv_heads", "fv_screen", "tv_prompts", "seed", "bos")  # what a function vector depends on
 
 
 def parse_args(argv=None):
@@ -86,7 +91,7 @@ def parse_args(argv=None):
                               seed="training queries, PID prompts, router init, random basis")
     p.add_argument("--model", default="smollm2", help="'smollm2', 'gemma3' or a checkpoint path (HF dir or .gguf)")
     p.add_argument("--protocol", choices=["default", "paper"], default="default",
-                   help="'paper': the paper's sizes (overrides the size flags below)")
+                   help="'paper': the paper's sizes (the defaults of the size flags below)")
     p.add_argument("--id-tasks", default=",".join(ID_TASKS))
     p.add_argument("--near-tasks", default=",".join(NEAR_TASKS))
     p.add_argument("--far-tasks", default=",".join(FAR_TASKS))
@@ -105,7 +110,11 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="0", help="comma-separated evaluation seeds (items and demonstrations)")
     p.add_argument("--shots", type=positive_int, default=5, help="ID few-shot: demos per class")
     p.add_argument("--ood-shots", type=positive_int, default=3, help="OOD few-shot: demos from each ID task")
-    p.add_argument("--tv-prompts", type=positive_int, default=16, help="prompts per task for the task vector")
+    p.add_argument("--tv-prompts", type=positive_int, default=16,
+                   help="prompts per task (one demo per class) for the task and function vectors")
+    p.add_argument("--fv-heads", type=positive_int, default=10, help="heads summed into a function vector")
+    p.add_argument("--fv-screen", type=positive_int, default=20,
+                   help="heads of largest attribution that are patched to choose them")
     p.add_argument("--checkpoint-every", type=positive_int, default=100,
                    help="router training steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="reuse what a run with the same settings left in --out")
@@ -114,10 +123,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-tasks", default=None,
                    help="comma-separated tasks to evaluate, of the ID, near and far tasks (default: all of them)")
     args = p.parse_args(argv)
-    if args.protocol == "paper":
-        vars(args).update(PAPER)
-    if args.quick:
-        vars(args).update(QUICK)
+    if args.protocol == "paper" or args.quick:  # their sizes as defaults: a flag given explicitly still wins
+        p.set_defaults(**{**(PAPER if args.protocol == "paper" else {}), **(QUICK if args.quick else {})})
+        args = p.parse_args(argv)
     try:  # refuse unknown tasks and arms before loading anything
         eval_task_names(args)
         arm_names(args)
@@ -304,65 +312,103 @@ def train(model, variables, pids, data, target: str, args, checkpoint):
 
 # ----------------------------------------------------------------------------- step 5
 
-def evaluate_task(model, variables, tokenizer, task, id_tasks, methods: dict, seed: int, args, bar=None) -> dict:
-    """One task's row for one seed: per method its accuracy and, under ``detail``, its interval,
-    distinct predictions, per-query correctness and ``items`` (positions in the zero-shot item list:
-    the few-shot baseline scores the first ``--n-eval-fewshot``)."""
+def evaluate_task(model, variables, tokenizer, task, id_tasks, methods: dict, seed: int, args, fv=None, done=(),
+                  bar=None) -> dict:
+    """One task's row for one seed, for the methods not in ``done``: per method its accuracy and, under
+    ``detail``, its interval, distinct predictions, per-query correctness and ``items`` (positions in
+    the zero-shot item list: the few-shot baseline scores the first ``--n-eval-fewshot``). ``fv``: the
+    task's function vector (ID tasks), or None."""
     from linicl import routing
-    from linicl.data import build_eval_set, template_for
+    from linicl.data import build_eval_set, build_prompt, sample_demos, template_for
     from linicl.evaluate import evaluate, evaluate_prompts
     add_bos = BOS_FLAG[args.bos]
     common = dict(seed=seed, n_eval=args.n_eval, progress=args.progress, add_bos=add_bos)
-    row, detail = {}, {}
+    template = template_for(task)
+    items = build_eval_set(task, tokenizer, k=0, seed=seed, n_eval=args.n_eval, add_bos=add_bos)
+    queries = [p.query for p in items][:args.n_eval_fewshot]
 
-    def record(name, res):
+    def few_shot():
+        if task.name in [t.name for t in id_tasks]:  # the first items, each with its own balanced demos
+            k = args.shots * len(task.labels)
+            prompts = [build_prompt(template, sample_demos(task, k, [seed, 14, j]), q, tokenizer, add_bos=add_bos)
+                       for j, q in enumerate(queries)]
+        else:
+            prompts = multi_task_prompts(queries, task, id_tasks, args.ood_shots, tokenizer, seed, add_bos)
+        return evaluate_prompts(model, variables, tokenizer, prompts, labels=task.labels,
+                                label_prefix=template.label_prefix, task=task.name, progress=args.progress)
+
+    def vector(layer, v):
+        # one vector per evaluated prompt through ``extras``: the same edits function for every task, so
+        # the forward compiles once per (layer, length bucket)
+        return evaluate(model, variables, tokenizer, task, k=0, edits=routing.task_vector_edits(None, layer),
+                        extras=np.tile(np.asarray(v, np.float32), (len(items), 1)), **common)
+
+    def task_vector():
+        layer = model.cfg.n_layers // 2
+        tv_fs = few_shot_prompts(task, tokenizer, args.tv_prompts, 1, args.seed + 1, add_bos)
+        tv_zs, _ = zero_shot_prompts(task, tokenizer, args.tv_prompts, args.seed + 1, add_bos)
+        return vector(layer, routing.task_vector(model, variables, tv_fs, tv_zs, layer, batch_size=4))
+
+    def arm(arm_pids, router, params):
+        # the basis as an argument: one compiled forward serves every arm (same router and basis shapes)
+        arm_vars = {**variables, "router": params, "routing_bias": arm_pids.routing_bias()}
+        return evaluate(model, arm_vars, tokenizer, task, k=0, forward=forward_for(model, arm_pids, router), **common)
+
+    runs = {"zero-shot": lambda: evaluate(model, variables, tokenizer, task, k=0, **common),
+            "few-shot": few_shot, "task-vector": task_vector}
+    if fv is not None:
+        runs["function-vector"] = lambda: vector(*fv)
+    runs.update({name: (lambda m=m: arm(*m)) for name, m in methods.items()})
+    row, detail = {}, {}
+    for name, run in runs.items():
+        if name in done:
+            continue
+        if bar is not None:
+            bar.set_postfix_str(f"{task.name} seed {seed}: {name}")
+        res = run()
         row[name] = res.accuracy
         detail[name] = dict(ci_low=res.interval.low, ci_high=res.interval.high, distinct=res.distinct,
                             constant=res.constant, correct=res.correct.astype(int).tolist(),
                             items=list(range(res.n)))
-        return res
+    return dict(row, n=len(items), metric="label", detail=detail)
 
-    def status(name):
-        if bar is not None:
-            bar.set_postfix_str(f"{task.name} seed {seed}: {name}")
 
-    status("zero-shot")
-    zs = record("zero-shot", evaluate(model, variables, tokenizer, task, k=0, **common))
-    status("few-shot")
+def vector_prompts(task, tokenizer, n: int, seed: int, add_bos=None):
+    """The function vector's prompts: ``n`` training queries with one demo per class, and the same
+    prompts with every demo's label made wrong (``linicl.data.wrong_labels``)."""
+    from linicl.data import build_prompt, sample_demos, template_for, wrong_labels
     template = template_for(task)
-    queries = [p.query for p in build_eval_set(task, tokenizer, k=0, seed=seed, n_eval=args.n_eval,
-                                               add_bos=add_bos)][:args.n_eval_fewshot]
-    if task.name in [t.name for t in id_tasks]:
-        fs = evaluate(model, variables, tokenizer, task, k=args.shots * len(task.labels), seed=seed,
-                      n_eval=args.n_eval, progress=args.progress, add_bos=add_bos) \
-            if args.n_eval_fewshot >= zs.n else None
-        if fs is None:  # the same first items as zero-shot, each with its own balanced demos
-            from linicl.data import build_prompt, sample_demos
-            prompts = [build_prompt(template, sample_demos(task, args.shots * len(task.labels), [seed, 14, j]), q,
-                                    tokenizer, add_bos=add_bos) for j, q in enumerate(queries)]
-            fs = evaluate_prompts(model, variables, tokenizer, prompts, labels=task.labels,
-                                  label_prefix=template.label_prefix, task=task.name, progress=args.progress)
-    else:
-        prompts = multi_task_prompts(queries, task, id_tasks, args.ood_shots, tokenizer, seed, add_bos)
-        fs = evaluate_prompts(model, variables, tokenizer, prompts, labels=task.labels,
-                              label_prefix=template.label_prefix, task=task.name, progress=args.progress)
-    record("few-shot", fs)
-    status("task-vector")
-    layer = model.cfg.n_layers // 2
-    tv_fs = few_shot_prompts(task, tokenizer, args.tv_prompts, 1, args.seed + 1, add_bos)
-    tv_zs, _ = zero_shot_prompts(task, tokenizer, args.tv_prompts, args.seed + 1, add_bos)
-    vector = routing.task_vector(model, variables, tv_fs, tv_zs, layer, batch_size=4)
-    # One vector per evaluated prompt through ``extras``: the same edits function for every task, so the
-    # task-vector forward compiles once per length bucket.
-    record("task-vector", evaluate(model, variables, tokenizer, task, k=0, edits=routing.task_vector_edits(None, layer),
-                                   extras=np.tile(vector.astype(np.float32), (zs.n, 1)), **common))
-    for name, (arm_pids, router, params) in methods.items():
-        status(name)
-        # the basis as an argument: one compiled forward serves every arm (same router and basis shapes)
-        arm_vars = {**variables, "router": params, "routing_bias": arm_pids.routing_bias()}
-        record(name, evaluate(model, arm_vars, tokenizer, task, k=0, forward=forward_for(model, arm_pids, router),
-                              **common))
-    return dict(row, n=zs.n, metric=zs.metric, detail=detail)
+    clean, bad = [], []
+    for j, i in enumerate(_pick(len(task.train), n, [seed, 8])):
+        q = task.train[i]
+        demos = [d for d in sample_demos(task, len(task.labels) + 1, [seed, 9, j]) if d != q][:len(task.labels)]
+        clean.append(build_prompt(template, demos, q, tokenizer, add_bos=add_bos))
+        bad.append(build_prompt(template, wrong_labels(demos, task.labels, [seed, 15, j]), q, tokenizer,
+                                add_bos=add_bos))
+    return clean, bad
+
+
+def function_vectors(model, variables, tokenizer, tasks, args, out) -> dict:
+    """task name -> (layer, function vector), each saved as made (``OUT/fv/<task>.npz``, with its heads
+    and their effects)."""
+    from linicl import evaluate, routing
+    from linicl.data import template_for
+    found = {}
+    for task in tasks:
+        path = out(f"fv/{task.name}.npz")
+        if not os.path.exists(path):
+            clean, bad = vector_prompts(task, tokenizer, args.tv_prompts, args.seed + 2, BOS_FLAG[args.bos])
+            rows, gold = evaluate.first_content_targets(tokenizer, bad, [p.label for p in bad],
+                                                        template_for(task).label_prefix)
+            mean_z = routing.mean_head_outputs(model, variables, clean, batch_size=8)
+            heads, effects = routing.function_vector_heads(model, variables, rows, gold, mean_z, n_heads=args.fv_heads,
+                                                           screen=args.fv_screen, batch_size=8)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            np.savez(path, layer=model.cfg.n_layers // 3, vector=routing.function_vector(model, variables, mean_z, heads),
+                     heads=np.asarray(heads), effects=effects)
+        with np.load(path) as f:
+            found[task.name] = (int(f["layer"]), f["vector"])
+    return found
 
 
 _FORWARDS: dict = {}
@@ -406,7 +452,9 @@ def pool_seeds(per_seed: dict) -> dict:
 # ----------------------------------------------------------------------------- summary
 
 def method_names(results: dict) -> list:
-    return [m for m in next(iter(results.values())) if m not in ROW_FIELDS + ("seeds",)]
+    """Every method of any task, in first-seen order (the function vector is on the ID tasks only)."""
+    names = [m for row in results.values() for m in row if m not in ROW_FIELDS + ("seeds",)]
+    return list(dict.fromkeys(names))
 
 
 def _iv(iv) -> dict:
@@ -431,7 +479,7 @@ def compare(row: dict, methods: list) -> dict:
     from linicl import stats
     out = {}
     for m in methods:
-        if m == "zero-shot":
+        if m == "zero-shot" or m not in row:
             continue
         c, zero = aligned(row, m, "zero-shot")
         rec = None
@@ -459,10 +507,11 @@ def summarise(results: dict, task_groups: dict) -> dict:
     present["all"] = present.get("ID", []) + present["OOD"]
     out["tasks"] = present
     for group, names in present.items():
-        if names:
-            out[group] = {m: float(np.mean([results[t][m] for t in names])) for m in methods}
+        if names:  # a method's average over the group's tasks that have it
+            out[group] = {m: float(np.mean([results[t][m] for t in names if m in results[t]])) for m in methods
+                          if any(m in results[t] for t in names)}
     out["compare"] = {t: compare(row, methods) for t, row in results.items()}
-    out["collapsed_tasks"] = {m: [t for t in results if out["compare"][t][m]["collapsed"]]
+    out["collapsed_tasks"] = {m: [t for t in results if m in out["compare"][t] and out["compare"][t][m]["collapsed"]]
                               for m in methods if m != "zero-shot"}
     out["collapses"] = {m: len(ts) for m, ts in out["collapsed_tasks"].items()}
     targets = {}
@@ -482,8 +531,10 @@ def summarise(results: dict, task_groups: dict) -> dict:
 
 
 def fmt_acc(row: dict, m: str) -> str:
-    """``"62.5 [45.1, 77.3]"`` (percent, Wilson), marked for a constant predictor."""
+    """``"62.5 [45.1, 77.3]"`` (percent, Wilson), marked for a constant predictor; "-" if not run."""
     from linicl.stats import Interval
+    if m not in row:
+        return "-"
     d = row["detail"][m]
     text = Interval(row[m], d["ci_low"], d["ci_high"]).fmt()
     return f"{text} {CONSTANT_MARK}" if d["constant"] else text
@@ -508,11 +559,13 @@ def table(results: dict, summary: dict) -> str:
     methods = method_names(results)
     order = [(g, t) for g in ("ID", "near", "far") for t in summary["tasks"].get(g, [])]
     rows = [[t, g, results[t]["n"]] + [fmt_acc(results[t], m) for m in methods] for g, t in order]
-    rows += [[f"**{g} average**", "", ""] + [f"{100 * summary[g][m]:.1f}" for m in methods]
+    rows += [[f"**{g} average**", "", ""] + [f"{100 * summary[g][m]:.1f}" if m in summary[g] else "-"
+                                              for m in methods]
              for g in ("ID", "near", "far", "OOD", "all") if g in summary]
     rows.append(["**collapses**", "", ""] + ["-" if m == "zero-shot" else summary["collapses"][m] for m in methods])
     others = [m for m in methods if m != "zero-shot"]
-    diffs = [[t, g] + [fmt_compare(summary["compare"][t][m]) for m in others] for g, t in order]
+    diffs = [[t, g] + [fmt_compare(summary["compare"][t][m]) if m in summary["compare"][t] else "-" for m in others]
+             for g, t in order]
     lines = [f"Accuracy in % with 95 % Wilson intervals, pooled over seeds ({CONSTANT_MARK}: the same prediction "
              "for every query; few-shot on its own first items):", "",
              reporting.markdown_table(["task", "group", "n"] + methods, rows), "",
@@ -552,7 +605,7 @@ def figure(plt, results, summary):
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(tasks)), 4))
     w = 0.8 / len(methods)
     for j, m in enumerate(methods):
-        ax.bar(np.arange(len(tasks)) + j * w, [results[t][m] for t in tasks], w, label=m)
+        ax.bar(np.arange(len(tasks)) + j * w, [results[t].get(m, np.nan) for t in tasks], w, label=m)
     ax.set_xticks(np.arange(len(tasks)) + 0.4 - w / 2, tasks, rotation=30, ha="right")
     ax.set_ylabel("accuracy")
     group = next(g for g in ("ID", "OOD", "all") if g in summary)
@@ -564,7 +617,9 @@ def figure(plt, results, summary):
 
 
 # which tasks are evaluated changes no task's numbers: a resume may evaluate more (or fewer) of them
-FINGERPRINT_IGNORES = ("out", "progress", "resume", "checkpoint_every", "data_dir", "eval_tasks")
+# and the function vectors' own settings: a change recomputes them and their entries (``function_vectors``)
+FINGERPRINT_IGNORES = ("out", "progress", "resume", "checkpoint_every", "data_dir", "eval_tasks", "fv_heads",
+                       "fv_screen")
 
 
 def fingerprint(args) -> str:
@@ -606,7 +661,17 @@ class Progress:
         self.save()
 
 
-SAVED = ("pid_acts", "cache", "ckpt", "progress.json", "pids.npz")  # and pids_*.npz, router_*.safetensors
+SAVED = ("pid_acts", "cache", "ckpt", "fv", "progress.json", "pids.npz")  # and pids_*.npz, router_*.safetensors
+
+
+def forget_function_vectors(folder: str, rows: dict) -> None:
+    """Remove the saved function vectors and their entries in the rows (made with other settings)."""
+    import shutil
+    shutil.rmtree(os.path.join(folder, "fv"), ignore_errors=True)
+    for per_seed in rows.values():
+        for row in per_seed.values():
+            row.pop("function-vector", None)
+            row.get("detail", {}).pop("function-vector", None)
 
 
 def clear(folder: str) -> None:
@@ -684,21 +749,33 @@ def main(argv=None) -> int:
 
     from tqdm.auto import tqdm
     rows = prog.state["rows"]
+    fv_settings = {k: vars(args)[k] for k in FV_SETTINGS}
+    if prog.state.get("fv_settings", fv_settings) != fv_settings:  # other function-vector settings: redo them
+        forget_function_vectors(args.out, rows)
+    prog.state["fv_settings"] = fv_settings
+    with prog.phase("function_vectors"):
+        fvs = function_vectors(model, variables, tokenizer, id_tasks, args, out)
     todo = [(tasks[t], s) for t in eval_names for s in seeds_of(args)]
     bar = tqdm(todo, desc="evaluate", disable=not args.progress)
     for task, seed in bar:
-        if str(seed) in rows.get(task.name, {}):
-            continue
+        old = rows.get(task.name, {}).get(str(seed), {})
+        done = [m for m in old if m not in ROW_FIELDS]
         t0 = time.perf_counter()
-        row = evaluate_task(model, variables, tokenizer, task, id_tasks, methods, seed, args, bar)
+        row = evaluate_task(model, variables, tokenizer, task, id_tasks, methods, seed, args, fvs.get(task.name),
+                            done, bar)
+        if not row["detail"]:
+            continue
+        row = dict(old, **{k: v for k, v in row.items() if k != "detail"}, detail={**old.get("detail", {}),
+                                                                                   **row["detail"]})
         rows.setdefault(task.name, {})[str(seed)] = row
-        prog.state["eval_s"][f"{task.name}/{seed}"] = time.perf_counter() - t0
+        key = f"{task.name}/{seed}"
+        prog.state["eval_s"][key] = prog.state["eval_s"].get(key, 0.0) + time.perf_counter() - t0
         prog.save()
         log(f"{task.name} seed {seed} ({time.perf_counter() - t0:.1f} s):",
             {k: round(v, 3) for k, v in row.items() if isinstance(v, float)})
     timings["eval_s"] = sum(prog.state["eval_s"].values())
     timings["total_s"] = sum(v for k, v in timings.items() if k in ("load_s", "pids_s", "bases_s", "caching_s",
-                                                                   "training_s", "eval_s"))
+                                                                   "training_s", "function_vectors_s", "eval_s"))
     timings["this_session_s"] = time.perf_counter() - t_session
     prog.save()
 

@@ -103,6 +103,7 @@ EVAL_METRICS = ("label",) + OPEN_METRICS
 # cross-entropy of the router's loss (over the whole vocabulary, as the paper, or over the label words).
 BIAS_SCALES = ("paper", "logit")
 ICR_TARGETS = ("vocab", "labels")
+FV_EFFECTS = ("patching", "attribution")  # linicl.routing.function_vector: how head effects are measured
 
 # ------------------------------------------------------------------------------ collections
 PARAMS = "params"

@@ -11,7 +11,7 @@ from linicl.data.datasets import (AGNEWS_LABEL_WORDS, CB_LABEL_WORDS, CB_LABEL_W
 from linicl.data.prompts import (BOS, DEMO_INPUT, DEMO_LABEL, INSTRUCTION, PAD, QUERY, SEPARATOR, TEMPLATES,
                                  Prompt, PromptBatch, Role, Template, TextEncoder, batch_prompts,
                                  build_eval_set, build_prompt, check_label_words, sample_demos, template_for,
-                                 tokenization_mismatch)
+                                 tokenization_mismatch, wrong_labels)
 from linicl.data.specs import FileSpec, TaskSpec, all_specs, find_spec, read_spec
 
 __all__ = ["DataError", "Example", "Task", "list_tasks", "load_task", "resolve_data_dir", "locate_data_dir",
@@ -20,6 +20,6 @@ __all__ = ["DataError", "Example", "Task", "list_tasks", "load_task", "resolve_d
            "CB_LABEL_WORDS", "CB_LABEL_WORDS_ABC",
            "TaskSpec", "FileSpec", "find_spec", "all_specs", "read_spec",
            "Role", "PAD", "BOS", "INSTRUCTION", "SEPARATOR", "DEMO_INPUT", "DEMO_LABEL", "QUERY",
-           "Template", "TEMPLATES", "template_for", "TextEncoder", "Prompt", "PromptBatch", "sample_demos",
+           "Template", "TEMPLATES", "template_for", "TextEncoder", "Prompt", "PromptBatch", "sample_demos", "wrong_labels",
            "build_prompt", "tokenization_mismatch", "check_label_words", "batch_prompts",
            "build_eval_set"]

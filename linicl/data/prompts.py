@@ -26,7 +26,7 @@ roles and a tokenizer whose ``decode`` does not reproduce the text.
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Protocol, Sequence
 
@@ -243,6 +243,24 @@ def sample_demos(task: Task, k: int, seed: int | Sequence[int], *, balanced: boo
     sample without replacement.
     """
     return _sample(task, _groups(task, balanced), _check_k(k), np.random.default_rng(seed), shuffle)
+
+
+def wrong_labels(demos: Sequence[Example], labels: Sequence[str], seed: int | Sequence[int]) -> tuple[Example, ...]:
+    """``demos`` with each label replaced by another of ``labels``, drawn uniformly (seeded): prompts
+    whose demonstrations no longer show the task's mapping (the corrupted prompts of function-vector
+    head selection; random-label ICL). Every demo's label must be one of ``labels`` (two or more)."""
+    labels = list(labels)
+    if len(set(labels)) < 2:
+        raise LiniclError(f"wrong_labels: labels must hold two or more distinct words, got {labels}")
+    unknown = sorted({d.output for d in demos} - set(labels))
+    if unknown:
+        raise LiniclError(f"wrong_labels: demo labels {unknown} are not among labels {labels}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for d in demos:
+        others = [w for w in labels if w != d.output]
+        out.append(replace(d, output=others[int(rng.integers(len(others)))]))
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- prompts

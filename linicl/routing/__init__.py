@@ -33,9 +33,15 @@ Modules, one concept each:
   (``linicl.checkpoint``) and resumes from it.
 * ``baselines``: ``task_vector``/``task_vector_edits``, the task-vector baseline (few-shot minus
   zero-shot mean last-token residual at one layer, added at the query's last token).
+* ``function_vector``: the function-vector baseline (Todd et al.): the heads whose mean output most
+  restores the gold answer on prompts with wrong demo labels (``head_effects``, by activation patching
+  or its first-order estimate), their mean outputs projected by ``o`` and summed (``function_vector``),
+  added like a task vector.
 """
 
 from linicl.routing.baselines import task_vector, task_vector_edits
+from linicl.routing.function_vector import (function_vector, function_vector_heads, head_effects, mean_head_outputs,
+                                            top_heads)
 from linicl.routing.pids import (PIDs, extract_pids, fit_pids, on_logit_scale, pca, pid_activations, random_basis,
                                  routed_layers)
 from linicl.routing.router import (Router, bias_size, icr_forward, load_router, make_router, routed_logits,
@@ -45,4 +51,5 @@ from linicl.routing.training import LossWeights, TrainingData, alpha_schedule, i
 __all__ = ["routed_layers", "pca", "PIDs", "extract_pids", "pid_activations", "fit_pids", "random_basis", "on_logit_scale", "Router", "bias_size", "make_router", "routing_edits",
            "router_input", "routed_logits", "icr_forward", "save_router", "load_router", "TrainingData",
            "prepare", "LossWeights", "icr_loss", "alpha_schedule", "train_router", "task_vector",
-           "task_vector_edits"]
+           "task_vector_edits", "mean_head_outputs", "head_effects", "top_heads", "function_vector",
+           "function_vector_heads"]

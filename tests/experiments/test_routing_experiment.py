@@ -6,13 +6,14 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import REPO, smollm2_only
 from linicl.stats import wilson
 
 SCRIPT = REPO / "experiments" / "routing.py"
-PHASES = ("load_s", "pids_s", "bases_s", "caching_s", "training_s", "eval_s", "total_s")
+PHASES = ("load_s", "pids_s", "bases_s", "caching_s", "training_s", "function_vectors_s", "eval_s", "total_s")
 
 
 def _script():
@@ -67,6 +68,22 @@ def test_summary_counts_only_significant_collapses_and_checks_the_targets():
     assert "| **ID average** | | | 50.0 | 67.5 | 61.3 | 48.8 |" in text
     assert "| **collapses** | | | - | 0 | 1 | 0 |" in text and "ICR: collapses 1 (c)" in text
     assert "rec 0.50 [" in text and "COLLAPSED" in text and "Wilson" in text
+
+
+def test_a_method_of_the_id_tasks_only_is_averaged_over_them():
+    """The function vector is an ID baseline (as the paper): OOD rows lack it; averages, comparisons and
+    the table use the tasks that have it and mark the others."""
+    ex = _script()
+    results = {"a": _row(40, **{"zero-shot": 20, "few-shot": 30, "function-vector": 26}),
+               "b": _row(40, **{"zero-shot": 10, "few-shot": 30, "function-vector": 30}),
+               "c": _row(40, **{"zero-shot": 30, "few-shot": 32})}
+    assert ex.method_names(results) == ["zero-shot", "few-shot", "function-vector"]
+    s = ex.summarise(results, {"ID": ["a", "b"], "near": [], "far": ["c"]})
+    assert s["ID"]["function-vector"] == pytest.approx(0.7) and "function-vector" not in s["OOD"]
+    assert s["all"]["function-vector"] == pytest.approx(0.7) and s["all"]["zero-shot"] == pytest.approx(0.5)
+    assert "function-vector" not in s["compare"]["c"] and s["collapses"]["function-vector"] == 0
+    text = ex.table(results, s)
+    assert "| c | far | 40 | 75.0" in text and text.count(" - |") >= 2
 
 
 def test_pids_against_the_random_basis_on_ood_pooled_and_paired():
@@ -136,6 +153,12 @@ def test_the_fingerprint_ignores_only_where_the_output_goes():
     a = ex.parse_args(["--quick"])
     assert ex.fingerprint(a) == ex.fingerprint(ex.parse_args(["--quick", "--out", "elsewhere", "--resume"]))
     assert ex.fingerprint(a) != ex.fingerprint(ex.parse_args(["--quick", "--seed", "1"]))
+    # --quick and --protocol set defaults: a flag given explicitly wins
+    assert a.n_eval == 8 and ex.parse_args(["--quick", "--n-eval", "16"]).n_eval == 16
+    assert ex.parse_args(["--protocol", "paper", "--seeds", "4"]).seeds == "4"
+    assert ex.parse_args(["--protocol", "paper", "--quick"]).n_eval == 8
+    # the function vectors' own settings are checked apart (a change redoes only them)
+    assert ex.fingerprint(a) == ex.fingerprint(ex.parse_args(["--quick", "--fv-heads", "3", "--fv-screen", "9"]))
 
 
 @smollm2_only
@@ -158,6 +181,10 @@ def test_quick_run_writes_json_and_plot(tmp_path):
     assert record["bias_scale"]["pids_paper"] is None and len(record["bias_scale"]["random_logit"]) == 10
     assert len(record["logit_std"]) == 10 and "Bias sizes" in record["table"]
     assert all(record["timings"][k] > 0 for k in PHASES) and not record["resumed"]
+    # the function vector: an ID baseline, from the heads patching chose (--fv-heads 2 of --fv-screen 4)
+    assert "function-vector" in record["results"]["sst2"] and "function-vector" not in record["results"]["mr"]
+    with np.load(tmp_path / "fv" / "sst2.npz") as f:
+        assert f["heads"].shape == (2, 2) and np.sum(~np.isnan(f["effects"])) == 4 and int(f["layer"]) == 10
     assert "**collapses**" in run.stdout and "**collapses**" in (tmp_path / "routing.md").read_text()
     assert (tmp_path / "routing.png").stat().st_size > 0 and (tmp_path / "pids.npz").exists()
     for name in ("router_ICR.safetensors", "router_ICR-logit-random.safetensors", "ckpt/router_ICR.safetensors",
@@ -174,3 +201,14 @@ def test_quick_run_writes_json_and_plot(tmp_path):
     assert only.returncode == 0, only.stderr[-3000:]
     one = json.loads((tmp_path / "routing.json").read_text())
     assert set(one["results"]) == {"cb_abc"} and one["results"]["cb_abc"] == record["results"]["cb_abc"]
+    # other function-vector settings keep the routers and every other number; only the vector is redone
+    more = subprocess.run(cmd + ["--resume", "--fv-heads", "3"], capture_output=True, text=True, timeout=1800)
+    assert more.returncode == 0, more.stderr[-3000:]
+    redone = json.loads((tmp_path / "routing.json").read_text())
+    assert redone["fingerprint"] == record["fingerprint"]
+    for task, row in record["results"].items():
+        for m in row["detail"]:
+            if m != "function-vector":
+                assert redone["results"][task]["detail"][m] == row["detail"][m], (task, m)
+    with np.load(tmp_path / "fv" / "sst2.npz") as f:
+        assert f["heads"].shape == (3, 2)
