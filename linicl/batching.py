@@ -31,7 +31,7 @@ from linicl.config import ModelConfig
 from linicl.data.prompts import PromptBatch
 from linicl.errors import LiniclError, SequenceTooLongError
 from linicl.nn.transformer import unembed  # re-exported: batching.unembed
-from linicl.parallel import device_mesh, replicate, shard_batch
+from linicl.parallel import data_size, device_mesh, place, shard_batch
 
 
 # ------------------------------------------------------------------------------ rows and buckets
@@ -165,20 +165,22 @@ def check_room(rows: list, cfg: ModelConfig, offset: int = 0) -> None:
 
 # ------------------------------------------------------------------------------ sharded runs
 def run_sharded(fn: Callable, replicated: Any, batched: Sequence[Any], mesh=None) -> Any:
-    """``fn(replicated, *batched)`` with ``replicated`` on every device and the rows of every array in
-    ``batched`` (a sequence of pytrees whose leaves all have the same axis 0 of size n) split across the
-    devices. The batch is padded to a multiple of the device count, and every output (a pytree of
-    arrays with axis 0 = batch) comes back as NumPy with the padding rows dropped. ``fn`` is typically
-    ``jax.jit``-ed; on one device this is ``fn(replicated, *batched)`` converted to NumPy."""
+    """``fn(replicated, *batched)`` with ``replicated`` (variables, edit values) placed by
+    ``linicl.parallel.place`` (on every device, or sharded on a mesh with a ``"model"`` axis) and the
+    rows of every array in ``batched`` (a sequence of pytrees whose leaves all have the same axis 0 of
+    size n) split over the mesh's ``"data"`` axis. The batch is padded to a multiple of the data size,
+    and every output (a pytree of arrays with axis 0 = batch) comes back as NumPy with the padding rows
+    dropped. ``fn`` is typically ``jax.jit``-ed; on one device this is ``fn(replicated, *batched)``
+    converted to NumPy."""
     mesh = device_mesh() if mesh is None else mesh
     sizes = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(list(batched))}
     if len(sizes) != 1:
         raise LiniclError(f"run_sharded: the batched arrays have different batch sizes {sorted(sizes)}")
     n = sizes.pop()
     if mesh.size > 1:
-        padded = round_up(n, mesh.size)
+        padded = round_up(n, data_size(mesh))
         batched = [shard_batch(jax.tree_util.tree_map(lambda x: pad_rows(x, padded), b), mesh) for b in batched]
-        replicated = replicate(replicated, mesh)
+        replicated = place(replicated, mesh)
     out = fn(replicated, *batched)
     return jax.tree_util.tree_map(lambda x: np.asarray(x)[:n], out)
 
@@ -189,8 +191,8 @@ def map_rows(fn: Callable, replicated: Any, rows: list, *, cfg: ModelConfig, bat
     """Run ``fn(replicated, tokens, lengths, extras)`` over every batch of ``rows`` (sharded over the
     mesh); yields ``(row indices, outputs of the real rows)``: outputs are pytrees with axis 0 = row."""
     mesh = device_mesh() if mesh is None else mesh
-    replicated = replicate(replicated, mesh)
-    for b in batches(rows, batch_size, bucket=bucket, max_len=cfg.max_len, multiple=mesh.size,
+    replicated = place(replicated, mesh)
+    for b in batches(rows, batch_size, bucket=bucket, max_len=cfg.max_len, multiple=data_size(mesh),
                      extras=extras, progress=progress, desc=desc):
         out = run_sharded(fn, replicated, [b.tokens, b.lengths, b.extras], mesh)
         yield b.idx, jax.tree_util.tree_map(lambda x: x[:len(b.idx)], out)

@@ -103,6 +103,9 @@ EVAL_METRICS = ("label",) + OPEN_METRICS
 # cross-entropy of the router's loss (over the whole vocabulary, as the paper, or over the label words).
 BIAS_SCALES = ("paper", "logit")
 ICR_TARGETS = ("vocab", "labels")
+# linicl.parallel: the mesh axes (the batch is split over DATA_AXIS; parameters over both when MODEL_AXIS is there)
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
 FV_EFFECTS = ("patching", "attribution")  # linicl.routing.function_vector: how head effects are measured
 
 # ------------------------------------------------------------------------------ collections

@@ -29,7 +29,7 @@ from linicl import compiled
 from linicl.linearize import lora as L
 from linicl.linearize.transfer import check_training, input_checksums, step_batch
 from linicl.names import PARAMS
-from linicl.parallel import replicate, shard_batch
+from linicl.parallel import place, place_like, shard_batch, step_shardings
 
 TRAINER = "linicl.linearize.train_lora"
 
@@ -54,7 +54,7 @@ def kl_to_teacher(student_logits, teacher_logits):
     return jnp.mean(jnp.sum(jnp.exp(lp_t) * (lp_t - lp_s), axis=-1))
 
 
-def _step_fn(student, tx):
+def _step_fn(student, tx, out_shardings=None):
     def loss(correction, params, tokens, target):
         return kl_to_teacher(student.apply({PARAMS: L.apply(params, correction)}, tokens), target)
 
@@ -62,7 +62,7 @@ def _step_fn(student, tx):
         kl, grads = jax.value_and_grad(loss)(correction, params, tokens, target)
         updates, opt = tx.update(grads, opt, correction)
         return optax.apply_updates(correction, updates), opt, kl
-    return jax.jit(step)
+    return jax.jit(step, out_shardings=out_shardings)
 
 
 def _settings(student, sequences, rank, targets, steps, batch_size, lr, seed) -> dict:
@@ -93,8 +93,11 @@ def train_lora(teacher, teacher_variables, student, student_variables, sequences
         state, meta = ckpt.load(checkpoint, {"lora": correction, "opt": opt}, settings=settings)
         correction, opt = jax.tree_util.tree_map(jnp.asarray, (state["lora"], state["opt"]))
         start, history = int(meta["step"]), DistillHistory(*meta["history"])
-    params_r, teacher_variables = replicate(params, mesh), replicate(teacher_variables, mesh)
-    step_fn, teacher_fn = _step_fn(student, tx), _teacher_logits_fn(teacher)
+    # parameters and optimiser state replicated, or sharded on a mesh with a "model" axis (linicl.parallel)
+    params_r, teacher_variables = place(params, mesh, PARAMS), place(teacher_variables, mesh)
+    correction, opt = place(correction, mesh, PARAMS), place_like(opt, correction, mesh)
+    step_fn = _step_fn(student, tx, step_shardings(mesh, correction, opt, n_logs=1))
+    teacher_fn = _teacher_logits_fn(teacher)
     bar = tqdm(total=steps, initial=start, desc="stage 2 (LoRA)", disable=not progress)
     for t in range(start, steps):
         tokens = shard_batch(step_batch(sequences, t, batch_size, seed + 1), mesh)

@@ -37,7 +37,7 @@ from linicl.interventions import capture
 from linicl.linearize.student import merge, split, trained_layers
 from linicl.names import INTERMEDIATES, PARAMS, block_site, layer_scope
 from linicl.nn.block import Block
-from linicl.parallel import device_mesh, replicate, shard_batch
+from linicl.parallel import data_size, device_mesh, place, place_like, shard_batch, step_shardings
 
 
 class History(NamedTuple):
@@ -85,7 +85,7 @@ def layer_losses(cfg, params, X, A):
     return jnp.stack(out)
 
 
-def _step_fn(student, tx):
+def _step_fn(student, tx, out_shardings=None):
     cfg = student.cfg
 
     def loss(trained, frozen, X, A):
@@ -96,7 +96,7 @@ def _step_fn(student, tx):
         (total, per_layer), grads = jax.value_and_grad(loss, has_aux=True)(trained, frozen, X, A)
         updates, opt = tx.update(grads, opt, trained)
         return optax.apply_updates(trained, updates), opt, total, per_layer
-    return jax.jit(step)
+    return jax.jit(step, out_shardings=out_shardings)
 
 
 def step_batch(sequences: np.ndarray, step: int, batch_size: int, seed: int) -> np.ndarray:
@@ -118,8 +118,8 @@ def check_training(who: str, teacher, student, sequences, steps, batch_size, mes
     if sequences.ndim != 2 or len(sequences) < batch_size:
         raise LiniclError(f"sequences must be int32[n >= batch_size, T], got shape {sequences.shape}")
     mesh = device_mesh() if mesh is None else mesh
-    if batch_size % mesh.size:
-        raise LiniclError(f"batch_size ({batch_size}) must divide by the {mesh.size} devices")
+    if batch_size % data_size(mesh):
+        raise LiniclError(f"batch_size ({batch_size}) must divide by the mesh's {data_size(mesh)} data shards")
     return sequences, mesh
 
 
@@ -161,8 +161,10 @@ def train_maps(teacher, teacher_variables, student, student_variables, sequences
         state, meta = ckpt.load(checkpoint, {"trained": trained, "opt": opt}, settings=settings)
         trained, opt = jax.tree_util.tree_map(jnp.asarray, (state["trained"], state["opt"]))
         start, history = int(meta["step"]), History(*meta["history"])
-    frozen, teacher_variables = replicate(frozen, mesh), replicate(teacher_variables, mesh)
-    step_fn = _step_fn(student, tx)
+    # parameters and optimiser state replicated, or sharded on a mesh with a "model" axis (linicl.parallel)
+    frozen, teacher_variables = place(frozen, mesh, PARAMS), place(teacher_variables, mesh)
+    trained, opt = place(trained, mesh, PARAMS), place_like(opt, trained, mesh)
+    step_fn = _step_fn(student, tx, step_shardings(mesh, trained, opt, n_logs=2))
     bar = tqdm(total=steps, initial=start, desc="attention transfer", disable=not progress)
     for t in range(start, steps):
         tokens = shard_batch(step_batch(sequences, t, batch_size, seed), mesh)

@@ -27,6 +27,7 @@ import optax
 from linicl import checkpoint as ckpt
 from linicl.errors import DataError, LiniclError
 from linicl.names import ICR_TARGETS, block_site
+from linicl.parallel import data_size, device_mesh, place, replicate, shard_batch
 from linicl.activations import collect_activations
 from linicl.routing.pids import PIDs
 from linicl.routing.router import make_router, routed_logits
@@ -164,7 +165,8 @@ def _checkpoint_settings(total: int) -> dict:
 def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: int = 2, batch_size: int = 8,
                  lr: float = 1e-3, weight_decay: float = 1e-2, clip: float = 1.0, hidden: int = 256,
                  weights: LossWeights = LossWeights(), target: str = "vocab", seed: int = 0,
-                 progress: bool = True, log_every: int = 10, checkpoint=None, checkpoint_every: int = 50):
+                 progress: bool = True, log_every: int = 10, checkpoint=None, checkpoint_every: int = 50,
+                 mesh=None):
     """Train only the router (the LM's variables are constants of the loss). Returns ``(router,
     params, history)``: the router reads alpha at the schedule's last scale (``Router.alpha_scale``);
     the history holds the loss terms and the bias size per routed layer every ``log_every`` steps.
@@ -175,7 +177,11 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
     optimiser state, the step and the history are written there (``linicl.checkpoint``, atomically);
     if the file exists when training starts, training resumes from it and ends with the same params
     as an uninterrupted run (the batch order is a function of ``seed`` and the epoch). A checkpoint
-    of a run with another number of steps is refused."""
+    of a run with another number of steps is refused.
+
+    ``mesh`` (``linicl.parallel``): the LM's variables are placed on it (replicated, or sharded on a mesh
+    with a ``"model"`` axis) and each batch is split over its ``"data"`` axis (``batch_size`` must divide
+    by the data size); the router's few parameters stay whole on every device."""
     from tqdm.auto import tqdm
     if target not in ICR_TARGETS:
         raise LiniclError(f"target must be one of {ICR_TARGETS}, got {target!r}")
@@ -192,7 +198,11 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
     if checkpoint is not None and ckpt.exists(checkpoint):
         start, params, opt, history = _resume(checkpoint, params, opt, total)
 
-    bias = pids.routing_bias()
+    mesh = device_mesh() if mesh is None else mesh
+    if batch_size % data_size(mesh):
+        raise LiniclError(f"batch_size ({batch_size}) must divide by the mesh's {data_size(mesh)} data shards")
+    variables, (params, opt) = place(variables, mesh), replicate((params, opt), mesh)
+    bias = replicate(pids.routing_bias(), mesh)
     static = dict(model=model, router=router, weights=weights, target=target, hyper=hyper)
     rng = np.random.default_rng(seed)
     bar = tqdm(total=total, initial=start, desc="router", disable=not progress)
@@ -210,6 +220,7 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
                      jnp.asarray(data.H_zs[idx]))
             if target == "labels":
                 batch += (jnp.asarray(data.candidates[idx]),)
+            batch = shard_batch(batch, mesh)
             params, opt, logs = _step(params, opt, batch, jnp.float32(alpha_schedule(t / max(1, total - 1))),
                                       variables, bias, **static)
             if t % log_every == 0 or t == total - 1:
