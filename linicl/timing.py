@@ -44,3 +44,25 @@ def peak_rss_mb() -> float:
         pass
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def forward_flops(cfg, batch: int, seq: int) -> int:
+    """Floating-point operations of the matrix products of one forward pass over ``batch x seq`` tokens
+    (2 m n k per product): per layer the q, k, v and output projections, scores and scores @ v over
+    all ``seq x seq`` pairs (no causal halving, no window), and the MLP's two or three products; then
+    the unembedding. Norms, softmax and rope are left out: the count is what MFU divides by."""
+    d, H, Hkv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    n_mlp_in = 2 if cfg.mlp == "gated" else 1
+    M = batch * seq
+    per_layer = (2 * M * d * (H + 2 * Hkv) * dh + 2 * 2 * batch * H * seq * seq * dh + 2 * M * H * dh * d
+                 + 2 * M * d * cfg.d_ff * (n_mlp_in + 1))
+    return int(cfg.n_layers * per_layer + 2 * M * d * cfg.vocab_size)
+
+
+def matmul_rate(n: int = 2048, dtype=None, repeats: int = 5) -> float:
+    """FLOP/s of one jitted ``[n, n] @ [n, n]`` product on the default device (float32 unless ``dtype``):
+    the peer that a forward pass's rate is compared with on the same machine, in the same run."""
+    import jax.numpy as jnp
+    dtype = jnp.float32 if dtype is None else dtype
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    return 2 * n ** 3 / time_call(jax.jit(lambda x: x @ x), a, repeats=repeats)

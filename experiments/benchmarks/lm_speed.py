@@ -352,6 +352,7 @@ def matmul_peer(cfg, batch: int, seq: int, seed: int):
     or layout changes. ``flops`` counts 2 m n k per product."""
     import jax
     import jax.numpy as jnp
+    from linicl.timing import forward_flops
     d, H, Hkv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
     n_mlp_in = 2 if cfg.mlp == "gated" else 1
     rng = np.random.default_rng(seed)
@@ -377,11 +378,7 @@ def matmul_peer(cfg, batch: int, seq: int, seed: int):
             h = sum(x @ wi for wi in lw["fc_in"])
             x = h @ lw["fc_out"]
         return x @ weights["unembed"]
-    M = batch * seq
-    per_layer = (2 * M * d * (H + 2 * Hkv) * dh + 2 * 2 * batch * H * seq * seq * dh + 2 * M * H * dh * d
-                 + 2 * M * d * cfg.d_ff * (n_mlp_in + 1))
-    flops = cfg.n_layers * per_layer + 2 * M * d * cfg.vocab_size
-    return jax.jit(fn), weights, x, flops
+    return jax.jit(fn), weights, x, forward_flops(cfg, batch, seq)
 
 
 def timed_rounds(side, name: str, model, variables, vocab: int, args, variants: dict) -> list:
