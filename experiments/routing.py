@@ -316,8 +316,9 @@ def evaluate_task(model, variables, tokenizer, task, id_tasks, methods: dict, se
                   bar=None) -> dict:
     """One task's row for one seed, for the methods not in ``done``: per method its accuracy and, under
     ``detail``, its interval, distinct predictions, per-query correctness and ``items`` (positions in
-    the zero-shot item list: the few-shot baseline scores the first ``--n-eval-fewshot``). ``fv``: the
-    task's function vector (ID tasks), or None."""
+    the zero-shot item list: the few-shot baseline scores the first ``--n-eval-fewshot``). ``methods``:
+    arm -> (its PIDs, router params, forward function); ``fv``: the task's (layer, function vector) on
+    ID tasks, or None."""
     from linicl import routing
     from linicl.data import build_eval_set, build_prompt, sample_demos, template_for
     from linicl.evaluate import evaluate, evaluate_prompts
@@ -349,10 +350,10 @@ def evaluate_task(model, variables, tokenizer, task, id_tasks, methods: dict, se
         tv_zs, _ = zero_shot_prompts(task, tokenizer, args.tv_prompts, args.seed + 1, add_bos)
         return vector(layer, routing.task_vector(model, variables, tv_fs, tv_zs, layer, batch_size=4))
 
-    def arm(arm_pids, router, params):
+    def arm(arm_pids, params, forward):
         # the basis as an argument: one compiled forward serves every arm (same router and basis shapes)
         arm_vars = {**variables, "router": params, "routing_bias": arm_pids.routing_bias()}
-        return evaluate(model, arm_vars, tokenizer, task, k=0, forward=forward_for(model, arm_pids, router), **common)
+        return evaluate(model, arm_vars, tokenizer, task, k=0, forward=forward, **common)
 
     runs = {"zero-shot": lambda: evaluate(model, variables, tokenizer, task, k=0, **common),
             "few-shot": few_shot, "task-vector": task_vector}
@@ -409,19 +410,6 @@ def function_vectors(model, variables, tokenizer, tasks, args, out) -> dict:
         with np.load(path) as f:
             found[task.name] = (int(f["layer"]), f["vector"])
     return found
-
-
-_FORWARDS: dict = {}
-
-
-def forward_for(model, pids, router):
-    """One forward function per (routed layers, router) so the harness compiles it once for every arm
-    (the basis comes in ``variables["routing_bias"]``)."""
-    from linicl import routing
-    key = (pids.layers, router)
-    if key not in _FORWARDS:
-        _FORWARDS[key] = routing.icr_forward(model, pids, router)
-    return _FORWARDS[key]
 
 
 def pool_seeds(per_seed: dict) -> dict:
@@ -730,7 +718,7 @@ def main(argv=None) -> int:
         with prog.phase("caching"):
             data = cached_queries(model, variables, tokenizer, id_tasks, pids, args, out)
         log(f"cached {len(data.y)} training queries of <= {data.h0.shape[1]} tokens")
-    methods = {}
+    methods, forwards = {}, {}
     for a in arms:
         basis, scale, target = ARMS[a]
         arm_pids = found[basis, scale]
@@ -743,7 +731,11 @@ def main(argv=None) -> int:
                 routing.save_router(out(f"router_{a}"), router, params)
                 prog.state["history"][a] = history
             log(f"training {a}: final loss {history[-1]['loss']:.3f}, bias size {history[-1]['bias_size']}")
-        methods[a] = (arm_pids, router, params)
+        # one forward function per (routed layers, router) object: the harness compiles it once for every
+        # arm that shares it (the basis comes in variables["routing_bias"])
+        key = (arm_pids.layers, router)
+        forwards[key] = forwards.get(key) or routing.icr_forward(model, arm_pids, router)
+        methods[a] = (arm_pids, params, forwards[key])
     del data
     timings["training_s"] = sum(timings.get(f"training_{a}_s", 0.0) for a in arms)
 

@@ -80,6 +80,11 @@ def tokens(seed: int, batch: int, length: int, vocab: int, low: int = 0) -> jax.
     return jax.random.randint(jax.random.PRNGKey(seed), (batch, length), low, vocab, dtype=jnp.int32)
 
 
+def random_prompts(rng: np.random.Generator, n: int, vocab: int, low: int = 5, high: int = 14) -> list:
+    """``n`` random token prompts ``int32[length]`` of lengths in [low, high)."""
+    return [rng.integers(0, vocab, rng.integers(low, high)).astype(np.int32) for _ in range(n)]
+
+
 def prompt_and_query(seed: int, prompt_batch: int, n: int, batch: int, m: int, vocab: int):
     """A prompt from the upper half of the vocabulary and a query from the lower half. Disjoint ids
     keep the no-prompt baseline honest: a prompt that repeats the query's own token can leave a

@@ -15,7 +15,7 @@ from linicl.data import Example, wrong_labels
 from linicl.errors import LiniclError
 from linicl.interventions import apply_fn, at_last, capture, replace, with_edits
 from linicl.names import block_site
-from helpers import BASELINE_MIN, EXACT_RTOL, init, rel_err
+from helpers import BASELINE_MIN, EXACT_RTOL, init, random_prompts, rel_err
 
 # A central difference with step 1e-4 has a truncation error ~ 1e-8 relative (third derivative of a
 # smooth function of O(1) values) and a rounding error ~ 1e-16 / 1e-4 = 1e-12 in float64.
@@ -27,8 +27,7 @@ def setup():
     cfg = linicl.preset("tiny-llama", n_layers=3, dtype="float64")
     model, variables = init(cfg, 0)
     rng = np.random.default_rng(0)
-    clean = [rng.integers(0, cfg.vocab_size, rng.integers(6, 14)).astype(np.int32) for _ in range(10)]
-    corrupted = [rng.integers(0, cfg.vocab_size, rng.integers(6, 14)).astype(np.int32) for _ in range(7)]
+    clean, corrupted = random_prompts(rng, 10, cfg.vocab_size, 6), random_prompts(rng, 7, cfg.vocab_size, 6)
     gold = rng.integers(0, cfg.vocab_size, len(corrupted)).astype(np.int32)
     mean_z = R.mean_head_outputs(model, variables, clean, batch_size=4)
     return model, variables, clean, corrupted, gold, mean_z

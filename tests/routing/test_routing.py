@@ -13,7 +13,7 @@ from linicl.errors import DataError, LiniclError
 from linicl.batching import last_token_logits
 from linicl.evaluate import run_logprobs
 from linicl.interventions import capture, with_edits
-from helpers import BASELINE_MIN, EXACT_RTOL, init, rel_err, tokens
+from helpers import BASELINE_MIN, EXACT_RTOL, init, random_prompts, rel_err, tokens
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def setup():
     cfg = linicl.preset("tiny-llama", n_layers=3, dtype="float64")
     model, variables = init(cfg, 0)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, rng.integers(5, 14)).astype(np.int32) for _ in range(24)]
+    prompts = random_prompts(rng, 24, cfg.vocab_size)
     pids = R.extract_pids(model, variables, prompts, r=4)
     return model, variables, prompts, pids
 
@@ -51,7 +51,7 @@ def test_a_model_with_local_layers_routes_its_global_layers():
     with pytest.raises(LiniclError, match="no global layer"):
         R.routed_layers(gemma18.replace(n_layers=3, layer_types=("global", "local", "local")))
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, model.cfg.vocab_size, rng.integers(5, 14)).astype(np.int32) for _ in range(12)]
+    prompts = random_prompts(rng, 12, model.cfg.vocab_size)
     with pytest.raises(LiniclError, match=r"global layers \(2,\).*got \(1,\)"):
         R.extract_pids(model, variables, prompts, layers=[1], r=2)
     pids = R.extract_pids(model, variables, prompts, r=2)
