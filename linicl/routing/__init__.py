@@ -19,7 +19,11 @@ Modules, one concept each:
   alpha = tanh(.) per layer and direction and gamma = sigmoid(.) per layer and head. The default
   representation is the LM's own hidden state entering the first routed layer, mean-pooled over the
   query's tokens but the first (the attention sink; ``router_input``); the forward pass computes it
-  anyway, so no sentence encoder is needed. The last layer of the alpha branch starts at zero, so an
+  anyway, so no sentence encoder is needed. The paper's input, a frozen all-MiniLM-L6-v2 embedding of
+  the query (``linicl.lm.minilm``), is the other option: ``prepare(e=...)`` stores one per query, the
+  router takes its width (``make_router(d_in=)``, ``input_width``) and ``icr_forward(embedded=True)``
+  reads it from the evaluation's ``extras``; ``icr_forward(cached=True)`` reads the residual entering the
+  first routed layer from them too (``entry_residuals``: one pass below for every router). The last layer of the alpha branch starts at zero, so an
   untrained router is exactly the base model. ``bias_size``: the bias's spread at the last query per
   layer. ``routing_edits``: the bias as ``linicl.interventions``
   edits (an ``fn`` edit at each routed layer's ``hook_attn_scores``: added before the causal mask, so
@@ -44,11 +48,12 @@ from linicl.routing.function_vector import (function_vector, function_vector_hea
                                             top_heads)
 from linicl.routing.pids import (PIDs, extract_pids, fit_pids, on_logit_scale, pca, pid_activations, random_basis,
                                  routed_layers)
-from linicl.routing.router import (Router, bias_size, icr_forward, load_router, make_router, routed_logits,
-                                   router_input, routing_edits, save_router)
+from linicl.routing.router import (Router, bias_size, entry_residuals, icr_forward, input_width, load_router,
+                                   make_router, routed_logits, router_input, routing_edits, save_router)
 from linicl.routing.training import LossWeights, TrainingData, alpha_schedule, icr_loss, prepare, train_router
 
 __all__ = ["routed_layers", "pca", "PIDs", "extract_pids", "pid_activations", "fit_pids", "random_basis", "on_logit_scale", "Router", "bias_size", "make_router", "routing_edits",
+           "input_width", "entry_residuals",
            "router_input", "routed_logits", "icr_forward", "save_router", "load_router", "TrainingData",
            "prepare", "LossWeights", "icr_loss", "alpha_schedule", "train_router", "task_vector",
            "task_vector_edits", "mean_head_outputs", "head_effects", "top_heads", "function_vector",

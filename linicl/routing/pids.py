@@ -260,7 +260,6 @@ def on_logit_scale(model, variables, pids: PIDs, prompts, *, batch_size: int = 1
     one-direction bias ``z_q[t, j] z_k[s, j]``, each the mean over query rows t >= 1, heads (or
     directions) and prompts. Measured on the unrouted model; ``meta["logit_std"]`` keeps sigma_model
     per layer."""
-    cfg = config_of(model)
     sites = {}
     for i, l in enumerate(pids.layers):
         for s in ("q", "k", "attn_scores"):

@@ -4,9 +4,11 @@
     B   = Z_q diag(alpha(x)) Z_k^T                  over heads, before rope; U: the PIDs)
     scores[h] = q_h.k_h / sqrt(d) + gamma_h(x) B    -> causal mask -> softmax
 
-``Router`` maps a frozen representation of the zero-shot query (``router_input``: the LM's own
-residual entering the first routed layer, mean-pooled) to alpha = tanh(.) per layer and direction and
-gamma = sigmoid(.) per layer and head. ``routing_edits`` adds the bias through
+``Router`` maps a frozen representation of the zero-shot query to alpha = tanh(.) per layer and direction and
+gamma = sigmoid(.) per layer and head. That representation is
+either the LM's own residual entering the first routed layer, mean-pooled (``router_input``; no second
+model), or an embedding given with each query (``e``: the paper's frozen all-MiniLM-L6-v2 sentence
+embedding, ``linicl.lm.minilm``), computed once per query outside the LM. ``routing_edits`` adds the bias through
 ``linicl.interventions`` at each routed layer's ``hook_attn_scores``, before the causal mask, so a
 query never sees a later key. ``save_router``/``load_router`` go through ``linicl.checkpoint``.
 """
@@ -14,14 +16,16 @@ query never sees a later key. ``save_router``/``load_router`` go through ``linic
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linicl import checkpoint
 from linicl.batching import last_positions, unembed
-from linicl.errors import DataError
+from linicl.errors import DataError, LiniclError
 from linicl.interventions import apply_fn, capture, with_edits
 from linicl.names import block_site
 from linicl.nn.transformer import config_of
@@ -65,11 +69,31 @@ def _init(router: Router, d_in: int, seed: int = 0):
     return router.init(jax.random.PRNGKey(seed), jnp.zeros((1, d_in), jnp.float32))["params"]
 
 
-def make_router(model, pids: PIDs, *, hidden: int = 256, seed: int = 0):
-    """``(router, params)`` for this model and these PIDs (input: the model's hidden width)."""
+def make_router(model, pids: PIDs, *, hidden: int = 256, seed: int = 0, d_in: Optional[int] = None):
+    """``(router, params)`` for this model and these PIDs. ``d_in``: the width of the router's input, the
+    model's hidden width by default (``router_input``); an external embedding's width otherwise."""
     cfg = config_of(model)
     router = Router(n_layers=len(pids.layers), rank=pids.rank, n_heads=cfg.n_heads, hidden=hidden)
-    return router, _init(router, cfg.d_model, seed)
+    d_in = cfg.d_model if d_in is None else int(d_in)
+    if d_in < 1:
+        raise LiniclError(f"d_in must be a positive width, got {d_in}")
+    return router, _init(router, d_in, seed)
+
+
+def input_width(router_params) -> int:
+    """The input width a router's params expect (``make_router``'s ``d_in``)."""
+    return int(router_params["ln"]["scale"].shape[-1])
+
+
+def _checked_input(e, router_params, h0):
+    """``e`` as the router's input ``f32[batch, d_in]``, refused (by name) when its shape is not one row of
+    ``input_width`` per query."""
+    e = jnp.asarray(e)
+    want = (h0.shape[0], input_width(router_params))
+    if e.shape != want:
+        raise LiniclError(f"e (the router's input embeddings): expected shape {want}, one row per query of the "
+                          f"width the router was made with, got {tuple(e.shape)}")
+    return e.astype(jnp.float32)
 
 
 def _bias(scores, value, ctx):
@@ -115,15 +139,17 @@ def router_input(h: jax.Array, lengths: jax.Array) -> jax.Array:
 
 
 def routed_logits(model, variables, pids, router: Router, router_params, h0, lengths,
-                  alpha_scale: float = 1.0, with_bias_size: bool = False):
+                  alpha_scale: float = 1.0, with_bias_size: bool = False, e=None):
     """Next-token logits ``[batch, vocab]`` at each row's last token with the router's bias, from the
     residual ``h0: [batch, seq, d_model]`` entering the first routed layer. Also returns (alpha, gamma)
     (alpha before ``alpha_scale``, which multiplies it in the bias),
     and with ``with_bias_size`` the bias's size per routed layer (``bias_size``) as a third item.
-    Only the routed blocks run (``first_layer``): h0 does not depend on the router."""
+    Only the routed blocks run (``first_layer``): h0 does not depend on the router. The router reads
+    ``e: f[batch, d_in]`` when given (an external embedding of each query), else ``router_input(h0)``."""
     cfg = config_of(model)
     pids = _as_bias(pids)
-    alpha, gamma = router.apply({"params": router_params}, router_input(h0, lengths))
+    inputs = router_input(h0, lengths) if e is None else _checked_input(e, router_params, h0)
+    alpha, gamma = router.apply({"params": router_params}, inputs)
     edited = with_edits(variables, routing_edits(pids, alpha * alpha_scale, gamma), cfg)
     if not with_bias_size:
         h = model.apply(edited, embeds=h0, first_layer=pids.layers[0], hidden=True)
@@ -162,21 +188,65 @@ def bias_size(pids, q, k, alpha, gamma, lengths) -> jax.Array:
 ROUTING_KEYS = ("router", "routing_bias")  # what icr_forward reads of the variables besides the LM's
 
 
-def icr_forward(model, pids: PIDs, router: Router):
+def icr_forward(model, pids: PIDs, router: Router, *, embedded: bool = False, cached: bool = False):
     """The ``forward(variables, tokens, lengths)`` hook of ``linicl.evaluate`` for a trained router:
     ``variables["router"]`` holds its params (pass ``{**variables, "router": params}``). With
+    ``embedded`` or ``cached`` the evaluation passes ``extras``, a dict with one row per prompt of
+
+    * ``"e": f[n_prompts, d_in]`` (``embedded``): an external embedding of each query for the router to
+      read (the kind it was trained on, e.g. ``linicl.lm.minilm``'s of each query's text) instead of the
+      LM's own residual (``router_input``);
+    * ``"h0": f[n_prompts, T, d_model]`` (``cached``): the residual entering the first routed layer,
+      right-padded (``entry_residuals``), so that only the routed blocks run: several routers evaluated
+      on the same prompts share one pass through the layers below.
+
+    With
     ``variables["routing_bias"]`` (``PIDs.routing_bias()`` of a basis with ``pids``'s layers and
     shapes) the bias is that basis's, an argument rather than a constant: one forward function, and so
     one compilation, serves every router of the same shape on every such basis."""
     entry = block_site(pids.layers[0], "hook_resid_pre")
 
-    def forward(variables, tokens, lengths):
+    wanted = [k for k, on in (("e", embedded), ("h0", cached)) if on]
+
+    def forward(variables, tokens, lengths, extras=None):
+        if wanted and not (isinstance(extras, dict) and all(k in extras for k in wanted)):
+            raise LiniclError(f"this forward reads extras={{{', '.join(repr(k) + ': ...' for k in wanted)}}} (one row "
+                              f"per prompt; icr_forward's docstring), got {type(extras).__name__}")
         router_params = variables["router"]
         bias = variables.get("routing_bias", pids)
         base = {k: v for k, v in variables.items() if k not in ROUTING_KEYS}
-        _, acts = capture(model, base, tokens, names=[entry], hidden=True)  # later blocks are dropped
-        return routed_logits(model, base, bias, router, router_params, acts[entry], lengths)[0]
+        if cached:
+            h0 = _to_width(extras["h0"], tokens.shape[1])
+        else:
+            h0 = capture(model, base, tokens, names=[entry], hidden=True)[1][entry]  # later blocks are dropped
+        e = extras["e"] if embedded else None
+        return routed_logits(model, base, bias, router, router_params, h0, lengths, e=e)[0]
     return forward
+
+
+def _to_width(h0, width: int):
+    """Right-padded ``h0: [b, T, d]`` cut or zero-padded to ``width`` positions (the batch's; the routed
+    causal blocks read no position past a row's length)."""
+    if h0.shape[1] >= width:
+        return h0[:, :width]
+    return jnp.pad(h0, ((0, 0), (0, width - h0.shape[1]), (0, 0)))
+
+
+def entry_residuals(model, variables, prompts, layer: int, *, batch_size: int = 16,
+                    progress: bool = False) -> np.ndarray:
+    """``f32[n_prompts, T, d_model]``: the residual entering block ``layer`` at every position of each
+    prompt, right-padded with zeros to the longest (T), in input order: the cache that ``prepare``
+    stores for training and ``icr_forward(cached=True)`` reads in evaluation."""
+    from linicl.activations import collect_activations
+    entry = block_site(layer, "hook_resid_pre")
+    lengths = np.asarray([len(getattr(p, "tokens", p)) for p in prompts], np.int32)
+    T = int(lengths.max())
+
+    def whole(act, n, tokens, lengths):  # every position, cut or zero-padded to the longest prompt
+        return jnp.pad(act[:, :T], ((0, 0), (0, T - min(T, act.shape[1])), (0, 0)))
+    h0 = collect_activations(model, variables, prompts, [entry], batch_size=batch_size, progress=progress,
+                             reduce=whole)[entry].astype(np.float32)
+    return np.where(np.arange(T)[None, :, None] < lengths[:, None, None], h0, 0.0)
 
 
 # ---------------------------------------------------------------------------------------- files

@@ -26,11 +26,10 @@ import optax
 
 from linicl import checkpoint as ckpt
 from linicl.errors import DataError, LiniclError
-from linicl.names import ICR_TARGETS, block_site
+from linicl.names import ICR_TARGETS
 from linicl.parallel import data_size, device_mesh, place, replicate, shard_batch
-from linicl.activations import collect_activations
 from linicl.routing.pids import PIDs
-from linicl.routing.router import make_router, routed_logits
+from linicl.routing.router import entry_residuals, make_router, routed_logits
 
 _TRAINER = "linicl.routing.train_router"
 
@@ -40,36 +39,38 @@ class TrainingData:
     """Cached zero-shot queries: the residual entering the first routed layer ``h0: [N, T, d_model]``
     (right-padded), ``lengths``, the answer's first token ``y``, the zero-shot entropy ``H_zs`` and,
     for ``target="labels"``, each query's label-word tokens ``candidates: [N, C]`` (-1 pads; ``y`` one
-    of them)."""
+    of them), and, for a router that reads an external embedding of each query (the paper's MiniLM),
+    ``e: f32[N, d_in]`` (None: the router reads the mean-pooled ``h0``)."""
 
     h0: np.ndarray
     lengths: np.ndarray
     y: np.ndarray
     H_zs: np.ndarray
     candidates: Optional[np.ndarray] = None
+    e: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        if self.e is not None and (np.ndim(self.e) != 2 or len(self.e) != len(self.y)
+                                   or not np.all(np.isfinite(self.e))):
+            raise LiniclError(f"e: expected finite router inputs f32[N={len(self.y)}, d_in], one row per query, "
+                              f"got shape {np.shape(self.e)}")
 
 
-def prepare(model, variables, prompts, answer_ids, pids: PIDs, *, candidates=None, batch_size: int = 16,
-            progress: bool = False) -> TrainingData:
+def prepare(model, variables, prompts, answer_ids, pids: PIDs, *, candidates=None, e=None,
+            batch_size: int = 16, progress: bool = False) -> TrainingData:
     """Run the frozen model once over zero-shot prompts (``linicl.data.Prompt``): cache what training
     needs (one forward per query instead of one per step). ``candidates``: per prompt the token ids
-    of its task's label words (a ragged list), needed by ``target="labels"``."""
+    of its task's label words (a ragged list), needed by ``target="labels"``. ``e``: an external
+    embedding per prompt ``f[N, d_in]`` for the router to read (``TrainingData.e``)."""
     from linicl.evaluate import run_logprobs  # linicl.evaluate is heavy and needs nothing from here
-    entry = block_site(pids.layers[0], "hook_resid_pre")
     lengths = np.asarray([len(getattr(p, "tokens", p)) for p in prompts], np.int32)
-    T = int(lengths.max())
-
-    def whole(act, n, tokens, lengths):  # every position, cut or zero-padded to the longest prompt
-        act = act[:, :T]
-        return jnp.pad(act, ((0, 0), (0, T - act.shape[1]), (0, 0)))
-    h0 = collect_activations(model, variables, prompts, [entry], batch_size=batch_size, progress=progress,
-                             reduce=whole)[entry].astype(np.float32)
-    h0 = np.where(np.arange(T)[None, :, None] < lengths[:, None, None], h0, 0.0)
+    h0 = entry_residuals(model, variables, prompts, pids.layers[0], batch_size=batch_size, progress=progress)
     logprobs = np.stack(run_logprobs(model, variables, prompts, batch_size=batch_size))
     H_zs = -np.sum(np.exp(logprobs) * logprobs, axis=-1)
     y = np.asarray(answer_ids, np.int32)
     return TrainingData(h0=h0, lengths=lengths, y=y, H_zs=H_zs.astype(np.float32),
-                        candidates=None if candidates is None else _candidate_array(candidates, y, logprobs.shape[-1]))
+                        candidates=None if candidates is None else _candidate_array(candidates, y, logprobs.shape[-1]),
+                        e=None if e is None else np.asarray(e, np.float32))
 
 
 def _candidate_array(candidates, y, vocab: int) -> np.ndarray:
@@ -114,10 +115,12 @@ def _label_ce(logits, y, candidates):
 def icr_loss(router_params, model, variables, pids, router, batch, alpha_scale, weights: LossWeights,
              target: str = "vocab"):
     """L = CE + conf * relu(H_icr - H_zs) + spar * mean_l w_l |alpha_l|_1 / r + gate * mean_l |gamma_l|_1 / H.
-    ``batch``: (h0, lengths, y, H_zs) and, for ``target="labels"``, candidates."""
+    ``batch``: (h0, lengths, y, H_zs), then candidates (for ``target="labels"``; else None) and the
+    router's input embeddings ``e`` (None: the mean-pooled h0), each optional."""
     h0, lengths, y, H_zs = batch[:4]
+    e = batch[5] if len(batch) > 5 else None
     logits, (alpha, gamma), size = routed_logits(model, variables, pids, router, router_params, h0, lengths,
-                                                 alpha_scale, with_bias_size=True)
+                                                 alpha_scale, with_bias_size=True, e=e)
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     ce = -jnp.mean(jnp.take_along_axis(lp, y[:, None], axis=1)) if target == "vocab" else \
         _label_ce(logits, y, batch[4])
@@ -171,7 +174,9 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
     params, history)``: the router reads alpha at the schedule's last scale (``Router.alpha_scale``);
     the history holds the loss terms and the bias size per routed layer every ``log_every`` steps.
 
-    ``target``: ``"vocab"`` (the paper's CE) or ``"labels"`` (CE over ``data.candidates``).
+    ``target``: ``"vocab"`` (the paper's CE) or ``"labels"`` (CE over ``data.candidates``). With
+    ``data.e`` the router reads those embeddings (its input width is theirs); evaluate it with
+    ``icr_forward(..., embedded=True)`` and the same kind of embeddings as ``extras``.
 
     ``checkpoint``: a file path. Every ``checkpoint_every`` steps and at the end, the router params, the
     optimiser state, the step and the history are written there (``linicl.checkpoint``, atomically);
@@ -187,7 +192,8 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
         raise LiniclError(f"target must be one of {ICR_TARGETS}, got {target!r}")
     if target == "labels" and data.candidates is None:
         raise LiniclError("target='labels' needs TrainingData.candidates (prepare(..., candidates=...))")
-    router, params = make_router(model, pids, hidden=hidden, seed=seed)
+    d_in = None if data.e is None else data.e.shape[1]
+    router, params = make_router(model, pids, hidden=hidden, seed=seed, d_in=d_in)
     hyper = (float(lr), float(weight_decay), float(clip))
     opt = _optimizer(*hyper).init(params)
     N = len(data.y)
@@ -218,8 +224,8 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
             width = min(data.h0.shape[1], max(32, 1 << (int(data.lengths[idx].max()) - 1).bit_length()))
             batch = (jnp.asarray(data.h0[idx, :width]), jnp.asarray(data.lengths[idx]), jnp.asarray(data.y[idx]),
                      jnp.asarray(data.H_zs[idx]))
-            if target == "labels":
-                batch += (jnp.asarray(data.candidates[idx]),)
+            batch += (jnp.asarray(data.candidates[idx]) if target == "labels" else None,
+                      None if data.e is None else jnp.asarray(data.e[idx]))
             batch = shard_batch(batch, mesh)
             params, opt, logs = _step(params, opt, batch, jnp.float32(alpha_schedule(t / max(1, total - 1))),
                                       variables, bias, **static)

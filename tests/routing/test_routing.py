@@ -145,6 +145,48 @@ def test_training_moves_only_the_router(setup):
     assert float(jnp.abs(grads["alpha_2"]["kernel"]).max()) > 0
 
 
+def test_a_router_can_read_an_external_embedding_of_each_query(setup):
+    """The paper's router reads a sentence embedding of the query, not the LM's residual: trained on
+    ``TrainingData.e`` it takes their width, and evaluation with ``extras=e`` equals routing the same
+    alpha/gamma by hand; other embeddings give other logits (the input is read), and a missing or
+    mis-shaped embedding is refused by name. Reading the cached entry residual (``cached=True``)
+    instead of running the blocks below gives the same logits."""
+    model, variables, prompts, pids = setup
+    rng = np.random.default_rng(2)
+    e = rng.normal(size=(len(prompts), 6))
+    y = rng.integers(0, model.cfg.vocab_size, len(prompts))
+    data = R.prepare(model, variables, prompts, y, pids, e=e)
+    router, params, _ = R.train_router(model, variables, pids, data, epochs=1, batch_size=8, lr=1e-2,
+                                       progress=False)
+    assert R.input_width(params) == 6
+    forward = R.icr_forward(model, pids, router, embedded=True)
+    routed = {**variables, "router": params}
+    got = np.stack(run_logprobs(model, routed, prompts, forward=forward, extras={"e": e}))
+    alpha, gamma = router.apply({"params": params}, jnp.asarray(e, jnp.float32))
+    by_hand = []
+    for i in range(6):  # row by row: evaluation groups the prompts by length
+        edits = R.routing_edits(pids, alpha[i:i + 1], gamma[i:i + 1])  # alpha already at the read scale
+        by_hand.append(run_logprobs(model, with_edits(variables, edits, model.cfg), prompts[i:i + 1])[0])
+    # The router is float32 (its params and input): its alpha moves by ~1e-7 with the batch's shape, the
+    # float64 logits by ~1e-8 (measured 1.1e-8); a wrong row, input or scale moves them by >= 1e-2.
+    assert rel_err(got[:6], np.stack(by_hand)) <= 1e-6
+    other = np.stack(run_logprobs(model, routed, prompts, forward=forward, extras={"e": e[::-1].copy()}))
+    assert rel_err(other, got) >= 1e-3
+    h0 = R.entry_residuals(model, variables, prompts, pids.layers[0])
+    assert h0.dtype == np.float32 and h0.shape == (len(prompts), max(map(len, prompts)), model.cfg.d_model)
+    cached = R.icr_forward(model, pids, router, embedded=True, cached=True)
+    from_cache = np.stack(run_logprobs(model, routed, prompts, forward=cached, extras={"e": e, "h0": h0}))
+    assert rel_err(from_cache, got) <= 1e-6  # the cache is float32, the model float64
+    with pytest.raises(LiniclError, match="extras=\\{'e': ...\\}"):
+        run_logprobs(model, routed, prompts, forward=forward)
+    with pytest.raises(LiniclError, match="'h0'"):
+        run_logprobs(model, routed, prompts, forward=cached, extras={"e": e})
+    with pytest.raises(LiniclError, match=r"e \(the router's input embeddings\): expected shape \(\d+, 6\)"):
+        run_logprobs(model, routed, prompts, forward=forward, extras={"e": e[:, :5].copy()})
+    with pytest.raises(LiniclError, match="e: expected finite router inputs"):
+        R.prepare(model, variables, prompts, y, pids, e=e[:3])
+
+
 def test_alpha_schedule_is_a_cosine_from_one_to_point_eight():
     assert R.alpha_schedule(0.0) == pytest.approx(1.0) and R.alpha_schedule(1.0) == pytest.approx(0.8)
     assert R.alpha_schedule(0.5) == pytest.approx(0.9)
