@@ -16,6 +16,16 @@ the papers publish to compare with, and says so when they publish nothing compar
 ``results/`` is not committed, so a fresh checkout has none of it: an experiment with no result there
 keeps the section the current RESULTS.md already has for it (its measured numbers and linked figure
 stay), and only an experiment that was never measured reads "Not run yet".
+
+A long run that spans sessions on fresh machines (each starts from a clone, without ``results/``) carries
+its small checkpoint files (``carry`` in its entry below: settings, fitted bases, trained routers; not
+its large caches, which it rebuilds) in ``experiments/state/<name>/``, which is committed:
+
+    python experiments/results.py --save-state --only routing   # before a session ends: copy them there
+    python experiments/results.py --run --only routing          # a later session: copied back, resumed
+
+``--save-state`` on a finished experiment (its JSON exists) removes its state instead: the result is
+then in RESULTS.md.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+STATE = ROOT / "experiments" / "state"  # committed checkpoints of unfinished long runs (module docstring)
+STATE_LIMIT = 8 << 20  # bytes per experiment: carried files must stay small enough to commit
 
 # How the shipped Gemma 3 maps were trained (filled in from their stage1.json).
 GEMMA3_STAGE1 = ("the shipped maps were trained by `python experiments/linearize.py --model gemma3 --train-only` (its "
@@ -47,6 +59,10 @@ GEMMA3_STAGE1 = ("the shipped maps were trained by `python experiments/linearize
 
 # name -> (title, script and arguments, quick arguments, arguments of the full run only, JSON file, plots,
 # reference note)
+# what a routing run carries across sessions: its settings and progress (finished rows), the fitted bases,
+# trained routers, router checkpoints and function vectors; its activations and query caches are rebuilt
+ROUTING_CARRY = ["progress.json", "pids.npz", "pids_*.npz", "router_*.safetensors", "ckpt/*", "fv/*"]
+
 EXPERIMENTS = {
     "verify": dict(
         title="Exact conversion on the zoo (`linicl verify`)",
@@ -90,7 +106,7 @@ EXPERIMENTS = {
         title="In-Context Routing on SmolLM2: the paper's 12 tasks (ID, near-OOD, far-OOD), PIDs against a random "
               "basis at the same bias size",
         cmd=["experiments/routing.py", "--resume"], quick=["--quick"], json="routing.json",
-        plots=["routing.png"],
+        plots=["routing.png"], carry=ROUTING_CARRY,
         reference="ICR (arXiv 2509.22854, routing.md section 5) on Llama2-7B: zero-shot ID/near/far 55.4/47.5/46.8, "
                   "ICR 67.7/57.3/52.0, few-shot 75.7/68.1/54.8 (0.6 of the ID few-shot gain), no collapse; a random "
                   "orthogonal basis 63.9/48.1/46.7. None for models of SmolLM2's or Gemma 3 270M's size."),
@@ -98,7 +114,7 @@ EXPERIMENTS = {
         title="In-Context Routing on Gemma 3 270M: the paper's 12 tasks, PIDs against a random basis at the same "
               "bias size",
         cmd=["experiments/routing.py", "--model", "gemma3", "--resume"], quick=["--quick"], json="routing.json",
-        plots=["routing.png"],
+        plots=["routing.png"], carry=ROUTING_CARRY,
         reference="ICR (arXiv 2509.22854, routing.md section 5) on Llama2-7B: zero-shot ID/near/far 55.4/47.5/46.8, "
                   "ICR 67.7/57.3/52.0, few-shot 75.7/68.1/54.8, a random basis 63.9/48.1/46.7."),
     "implicit_regression": dict(
@@ -243,6 +259,47 @@ EXPERIMENTS = {
 }
 
 
+def _carried(name: str, out: Path) -> list:
+    """The files of ``out`` that ``name``'s ``carry`` patterns match (relative paths)."""
+    found = {p for pattern in EXPERIMENTS[name].get("carry", []) for p in out.glob(pattern) if p.is_file()}
+    return sorted(p.relative_to(out) for p in found)
+
+
+def save_state(name: str, results: Path) -> None:
+    """Copy the carried checkpoint files of an unfinished run into ``STATE/<name>`` (replacing what was
+    there); for a finished run remove that folder."""
+    spec, out, keep = EXPERIMENTS[name], _out(results, name), STATE / name
+    if "carry" not in spec:
+        raise SystemExit(f"--save-state: {name} carries no state across sessions")
+    shutil.rmtree(keep, ignore_errors=True)
+    if (out / spec["json"]).exists():
+        print(f"{name}: finished; no state kept")
+        return
+    files = _carried(name, out)
+    size = sum((out / f).stat().st_size for f in files)
+    if size > STATE_LIMIT:
+        raise SystemExit(f"--save-state: {name}'s carried files are {size / 2**20:.1f} MiB (> {STATE_LIMIT >> 20} MiB)")
+    for f in files:
+        (keep / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / f, keep / f)
+    print(f"{name}: {len(files)} files ({size / 2**10:.0f} KiB) kept in {os.path.relpath(keep, ROOT)}")
+
+
+def restore_state(name: str, out: Path) -> None:
+    """Copy ``STATE/<name>`` into ``out`` where ``out`` lacks a file (a fresh machine resumes from it)."""
+    keep = STATE / name
+    if not keep.is_dir():
+        return
+    copied = 0
+    for src in keep.rglob("*"):
+        dst = out / src.relative_to(keep)
+        if src.is_file() and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+            copied += 1
+    print(f"{name}: resumed from {copied} files of {os.path.relpath(keep, ROOT)}")
+
+
 def _out(results: Path, name: str) -> Path:
     return results / name
 
@@ -254,6 +311,8 @@ def run_one(name: str, results: Path, quick: bool, force: bool) -> None:
         print(f"{name}: result exists ({out / spec['json']}); --force to run again")
         return
     out.mkdir(parents=True, exist_ok=True)
+    if not quick:
+        restore_state(name, out)
     cmd = [PY, *spec["cmd"], *(spec["quick"] if quick else spec.get("full", [])), "--out", str(out)]
     print(f"{name}: {' '.join(cmd[1:])}", flush=True)
     start = time.time()
@@ -347,6 +406,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), help="these experiments only")
     p.add_argument("--quick", action="store_true", help="quick modes (CI-sized)")
     p.add_argument("--force", action="store_true", help="run again even when a result exists")
+    p.add_argument("--save-state", action="store_true",
+                   help="keep the small checkpoints of unfinished runs in experiments/state/ (to commit)")
     p.add_argument("--results", default=str(ROOT / "results"), help="results folder (default: results/)")
     p.add_argument("--output", default=str(ROOT / "RESULTS.md"), help="the file to write")
     p.add_argument("--figures", default=str(ROOT / "docs" / "figures"), help="where plots are copied")
@@ -355,6 +416,9 @@ def main(argv=None) -> int:
     if args.run:
         for name in args.only or EXPERIMENTS:
             run_one(name, results, args.quick, args.force)
+    if args.save_state:
+        for name in args.only or [n for n in EXPERIMENTS if "carry" in EXPERIMENTS[n]]:
+            save_state(name, results)
     write(results, Path(args.output), Path(args.figures))
     return 0
 

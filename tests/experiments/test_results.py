@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO
 
 
@@ -39,3 +41,49 @@ def test_a_checkout_without_results_keeps_the_measured_sections(tmp_path):
     out.write_text("# Results\n")
     subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     assert out.read_text().count("Not run yet") == len(out.read_text().split("\n## ")) - 1
+
+
+def _results_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("results_script", REPO / "experiments" / "results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_an_unfinished_run_carries_its_small_checkpoints_to_a_fresh_machine(tmp_path, monkeypatch):
+    """--save-state keeps only the carried files (not the caches) in experiments/state/<name>; a run on a
+    machine without them gets them back, without overwriting what it has; a finished run keeps none."""
+    mod = _results_module()
+    monkeypatch.setattr(mod, "STATE", tmp_path / "state")
+    out = tmp_path / "results" / "routing"
+    files = {"progress.json": b"{}", "pids.npz": b"p", "pids_random_logit.npz": b"r", "router_ICR.safetensors": b"w",
+             "ckpt/router_ICR-logit.safetensors": b"c", "fv/sst2.npz": b"f", "cache/sst2.npz": b"big",
+             "pid_acts/sst2.npz": b"acts", "stdout.txt": b"log"}
+    for name, data in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    mod.save_state("routing", tmp_path / "results")
+    kept = sorted(str(p.relative_to(tmp_path / "state" / "routing")) for p in (tmp_path / "state" / "routing").rglob("*")
+                  if p.is_file())
+    assert kept == ["ckpt/router_ICR-logit.safetensors", "fv/sst2.npz", "pids.npz", "pids_random_logit.npz",
+                    "progress.json", "router_ICR.safetensors"]
+    fresh = tmp_path / "fresh" / "routing"
+    fresh.mkdir(parents=True)
+    (fresh / "progress.json").write_bytes(b"newer")
+    mod.restore_state("routing", fresh)
+    assert (fresh / "progress.json").read_bytes() == b"newer"  # what the machine has wins
+    assert (fresh / "ckpt" / "router_ICR-logit.safetensors").read_bytes() == b"c"
+    assert not (fresh / "cache").exists() and not (fresh / "pid_acts").exists()
+    # Too large to commit: refused, by size.
+    monkeypatch.setattr(mod, "STATE_LIMIT", 4)
+    with pytest.raises(SystemExit, match="MiB"):
+        mod.save_state("routing", tmp_path / "results")
+    # Finished (its JSON exists): the state goes.
+    monkeypatch.setattr(mod, "STATE_LIMIT", 1 << 20)
+    mod.save_state("routing", tmp_path / "results")
+    (out / "routing.json").write_text("{}")
+    mod.save_state("routing", tmp_path / "results")
+    assert not (tmp_path / "state" / "routing").exists()
+    with pytest.raises(SystemExit, match="carries no state"):
+        mod.save_state("verify", tmp_path / "results")
