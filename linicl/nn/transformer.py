@@ -7,6 +7,11 @@ that its next token always sits at position 0). With ``mutable=["prompt_state", 
 (``iclca.convert``) a call also advances ``offset`` when the model depends on absolute positions
 (``ModelConfig.keeps_offset``: learned positions, rope on the inputs, a window or sinks); re-based
 rope states need none.
+
+``Transformer(cfg, remat=True)`` (or ``model.clone(remat=True)``) rematerialises each block in the
+backward pass (``flax.linen.remat``): a gradient then keeps only the blocks' inputs, not every
+activation inside them, and recomputes those, so training on long sequences needs less memory for one
+more forward. The parameters, outputs and gradients are the same (tested to float64 precision).
 """
 
 from __future__ import annotations
@@ -59,9 +64,12 @@ def unembed(cfg: ModelConfig, params, h: jax.Array) -> jax.Array:
 
 class Transformer(nn.Module):
     """The zoo's model. Sites: ``hook_embed``, ``hook_pos_embed``, ``ln_final.hook_normalized`` (all
-    ``[batch, seq, d_model]``) and those of every block (``linicl.nn.block``)."""
+    ``[batch, seq, d_model]``) and those of every block (``linicl.nn.block``). ``remat``: recompute
+    each block in the backward pass (module docstring); not part of the config, so not of a model's
+    identity."""
 
     cfg: ModelConfig
+    remat: bool = False
 
     @nn.compact
     def __call__(self, tokens: Optional[jax.Array] = None, *, embeds: Optional[jax.Array] = None,
@@ -87,8 +95,9 @@ class Transformer(nn.Module):
         if cfg.positions == "learned" and first_layer == 0:
             pos_embed = self.param("pos_embed", _EMBED_INIT, (cfg.max_len, cfg.d_model), dt)
             x = x + site(self, "hook_pos_embed", take_rows(pos_embed, positions)[None])
+        block = nn.remat(Block) if self.remat else Block  # the same parameter paths either way
         for layer in range(first_layer, cfg.n_layers):  # a local layer runs its own (finite-state) config
-            x = Block(cfg.layer_config(layer), name=f"layers_{layer}")(x, positions)
+            x = block(cfg.layer_config(layer), name=f"layers_{layer}")(x, positions)
         if cfg.has_final_norm:
             x = site(self, "ln_final.hook_normalized", make_norm(cfg, "ln_f")(x))
         if hidden:
