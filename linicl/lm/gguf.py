@@ -491,15 +491,15 @@ def unpermute_qk(w, n_heads: int):
 SMOLLM2_ENV = "LINICL_SMOLLM2_GGUF"
 
 
-def _env_path(name: str) -> Path | None:
-    """The file the environment variable ``name`` points to (None when unset); a path that is not a
-    file is refused, naming the variable."""
+def _env_path(name: str, directory: bool = False) -> Path | None:
+    """The file (with ``directory``: the directory) the environment variable ``name`` points to (None
+    when unset); a path of the other kind, or none, is refused, naming the variable."""
     env = os.environ.get(name)
     if not env:
         return None
     p = Path(env).expanduser()
-    if not p.is_file():
-        raise LiniclError(f"${name} points to {p}, which is not a file")
+    if not (p.is_dir() if directory else p.is_file()):
+        raise LiniclError(f"${name} points to {p}, which is not a {'directory' if directory else 'file'}")
     return p
 
 
