@@ -18,7 +18,10 @@ Steps (each timed; ``timings`` in the JSON; everything long is saved as it is ma
    training queries. Only at the logit scale do the PIDs and the random basis have the same bias size.
 4. Training, one router per arm (``--arms``): ``ICR`` (PIDs, paper's bias, full-vocabulary CE: the
    method as specified), ``ICR-random`` (random basis, paper's bias), ``ICR-logit``, ``ICR-logit-random``
-   (the fair control), ``ICR-logit-labels`` (CE over the label words, reported separately). AdamW at
+   (the fair control), ``ICR-logit-labels`` (CE over the label words, reported separately), and
+   ``ICR-minilm``, ``ICR-logit-minilm``: the router reads the paper's input, a frozen all-MiniLM-L6-v2
+   embedding of the zero-shot prompt's text (``linicl.lm.minilm``; the others read the LM's own
+   mean-pooled residual, ``linicl.routing.router_input``), ``OUT/cache/<task>.minilm.npz``. AdamW at
    ``--lr``, batch ``--batch``, ``--epochs``, alpha annealed 1.0 -> 0.8 and read at 0.8; the bias size per
    layer is logged (``history``) beside the model's own logit spread.
 5. Evaluation, per seed (``--seeds``: which test items and which demonstrations): zero-shot; few-shot
@@ -36,8 +39,8 @@ Reported: accuracy per task and method (pooled over seeds, 95 % Wilson), each me
 the same queries (paired bootstrap), the share of the few-shot gain recovered where that gain is
 significant, collapses (significantly below zero-shot), ID / near / far / OOD averages, the targets:
 no collapse for ICR, ICR's pooled ID gain >= 5 points, PIDs >= random basis at the same bias size on
-OOD (pooled, paired), and the bias sizes. The paper's MiniLM router input is not here (the router
-reads the LM's own residual, ``linicl.routing.router_input``).
+OOD (pooled, paired), and the bias sizes. Which text the paper embeds (the raw query or the templated
+prompt) it does not say; here it is the templated zero-shot prompt, the text the LM reads.
 
 ``--protocol paper`` sets the paper's sizes (1,000 PID prompts and 5,000 training queries per ID task,
 2 epochs, 500 items and 3 seeds): many hours on 2 CPU cores, run across sessions with ``--resume``.
@@ -53,7 +56,6 @@ and CSQA are ~1,300 tokens each), so it resumes as well; the JSON records each p
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -74,14 +76,17 @@ ROW_FIELDS = ("n", "metric", "detail")  # the keys of a result row that are not 
 ID_TASKS = ("agnews", "sst2", "trec", "csqa", "piqa")
 NEAR_TASKS = ("sst5", "mr", "mrpc")
 FAR_TASKS = ("cb_abc", "copa", "creak", "ai2sci")
-# arm -> (basis, bias scale, CE target): which PIDs a router routes and how it is trained
-ARMS = {"ICR": ("pids", "paper", "vocab"), "ICR-random": ("random", "paper", "vocab"),
-        "ICR-logit": ("pids", "logit", "vocab"), "ICR-logit-random": ("random", "logit", "vocab"),
-        "ICR-logit-labels": ("pids", "logit", "labels")}
+# arm -> (basis, bias scale, CE target, router input): which PIDs a router routes, how it is trained
+# and what it reads ("lm": the LM's own mean-pooled residual; "minilm": the paper's frozen all-MiniLM-L6-v2
+# embedding of the zero-shot prompt's text)
+ARMS = {"ICR": ("pids", "paper", "vocab", "lm"), "ICR-random": ("random", "paper", "vocab", "lm"),
+        "ICR-logit": ("pids", "logit", "vocab", "lm"), "ICR-logit-random": ("random", "logit", "vocab", "lm"),
+        "ICR-logit-labels": ("pids", "logit", "labels", "lm"), "ICR-minilm": ("pids", "paper", "vocab", "minilm"),
+        "ICR-logit-minilm": ("pids", "logit", "vocab", "minilm")}
 PAPER = dict(pid_prompts=1000, train=5000, epochs=2, n_eval=500, n_eval_fewshot=500, seeds="0,1,2")
 QUICK = dict(id_tasks="sst2", near_tasks="mr", far_tasks="cb_abc", pid_prompts=10, pid_shots=1, train=12,
              epochs=1, n_eval=8, n_eval_fewshot=4, tv_prompts=3, calib=8, seeds="0", shots=1, ood_shots=1,
-             arms="ICR,ICR-logit,ICR-logit-random", fv_heads=2, fv_screen=4)
+             arms="ICR,ICR-logit,ICR-logit-random,ICR-minilm", fv_heads=2, fv_screen=4)
 FV_SETTINGS = ("fv_heads", "fv_screen", "tv_prompts", "seed", "bos")  # what a function vector depends on
 
 
@@ -247,15 +252,20 @@ def pid_activations(model, variables, tokenizer, tasks, args, out):
     return {"layers": parts[0]["layers"], **{s: np.concatenate([p[s] for p in parts], 1) for s in ("q", "k")}}
 
 
-def cached_queries(model, variables, tokenizer, tasks, pids, args, out):
+def cached_queries(model, variables, tokenizer, tasks, pids, args, out, encoder=None):
     """The zero-shot training queries of the ID tasks (``linicl.routing.prepare``, with each query's
-    label tokens), per task saved as made, joined right-padded."""
+    label tokens), per task saved as made, joined right-padded. With a sentence ``encoder`` also the
+    embeddings of the prompts' text (``TrainingData.e``; ``OUT/cache/<task>.minilm.npz``)."""
     from linicl import evaluate, routing
     from linicl.data import check_label_words
     from linicl.routing.training import TrainingData
-    parts = []
+    parts, embedded = [], []
     for task in tasks:
         path = out(f"cache/{task.name}.npz")
+        if encoder is not None:
+            embedded.append(query_embeddings(encoder, out(f"cache/{task.name}.minilm.npz"),
+                                             lambda t=task: zero_shot_prompts(t, tokenizer, args.train, args.seed,
+                                                                               BOS_FLAG[args.bos])[0]))
         if not (args.resume and os.path.exists(path)):
             ps, template = zero_shot_prompts(task, tokenizer, args.train, args.seed, BOS_FLAG[args.bos])
             rows, y = evaluate.first_content_targets(tokenizer, ps, [p.label for p in ps], template.label_prefix)
@@ -263,7 +273,7 @@ def cached_queries(model, variables, tokenizer, tasks, pids, args, out):
             d = routing.prepare(model, variables, rows, y, pids, candidates=[labels] * len(rows),
                                 progress=args.progress)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            np.savez(path, **dataclasses.asdict(d))
+            np.savez(path, **{k: v for k, v in dataclasses.asdict(d).items() if v is not None})
         with np.load(path) as f:
             parts.append({k: f[k] for k in f.files})
     T = max(p["h0"].shape[1] for p in parts)
@@ -273,7 +283,18 @@ def cached_queries(model, variables, tokenizer, tasks, pids, args, out):
                                   constant_values=-1) for p in parts])
     return TrainingData(h0=h0, lengths=np.concatenate([p["lengths"] for p in parts]),
                         y=np.concatenate([p["y"] for p in parts]), H_zs=np.concatenate([p["H_zs"] for p in parts]),
-                        candidates=cand)
+                        candidates=cand, e=np.concatenate(embedded) if embedded else None)
+
+
+def query_embeddings(encoder, path: str, prompts_fn) -> np.ndarray:
+    """The sentence embeddings ``f32[n, d]`` of the prompts' text (``Prompt.text``: the rendered zero-shot
+    prompt without BOS), kept in ``path``."""
+    if not os.path.exists(path):
+        e = encoder.embed([p.text for p in prompts_fn()])
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.savez(path, e=e)
+    with np.load(path) as f:
+        return f["e"]
 
 
 def calibration_prompts(tokenizer, tasks, args):
@@ -287,7 +308,7 @@ def bases(model, variables, tokenizer, tasks, pids, args, out) -> dict:
     logit scale (``OUT/pids_<basis>_<scale>.npz``)."""
     from linicl import routing
     raw = {"pids": pids, "random": routing.random_basis(pids, args.seed)}
-    need = {ARMS[a][:2] for a in arm_names(args)}
+    need = {ARMS[a][:2] for a in arm_names(args)}  # (basis, scale)
     found, calib = {}, None
     for basis, scale in sorted(need):
         path = out(f"pids_{basis}_{scale}.npz")
@@ -313,12 +334,12 @@ def train(model, variables, pids, data, target: str, args, checkpoint):
 # ----------------------------------------------------------------------------- step 5
 
 def evaluate_task(model, variables, tokenizer, task, id_tasks, methods: dict, seed: int, args, fv=None, done=(),
-                  bar=None) -> dict:
+                  bar=None, encoder=None) -> dict:
     """One task's row for one seed, for the methods not in ``done``: per method its accuracy and, under
     ``detail``, its interval, distinct predictions, per-query correctness and ``items`` (positions in
     the zero-shot item list: the few-shot baseline scores the first ``--n-eval-fewshot``). ``methods``:
-    arm -> (its PIDs, router params, forward function); ``fv``: the task's (layer, function vector) on
-    ID tasks, or None."""
+    arm -> (its PIDs, router params, forward function, whether it reads the ``encoder``'s embedding of
+    each item's text); ``fv``: the task's (layer, function vector) on ID tasks, or None."""
     from linicl import routing
     from linicl.data import build_eval_set, build_prompt, sample_demos, template_for
     from linicl.evaluate import evaluate, evaluate_prompts
@@ -350,10 +371,18 @@ def evaluate_task(model, variables, tokenizer, task, id_tasks, methods: dict, se
         tv_zs, _ = zero_shot_prompts(task, tokenizer, args.tv_prompts, args.seed + 1, add_bos)
         return vector(layer, routing.task_vector(model, variables, tv_fs, tv_zs, layer, batch_size=4))
 
-    def arm(arm_pids, params, forward):
+    shared = {}  # made once per (task, seed) for every arm; the items are those evaluate(k=0) builds, in order
+
+    def arm(arm_pids, params, forward, embedded):
         # the basis as an argument: one compiled forward serves every arm (same router and basis shapes)
         arm_vars = {**variables, "router": params, "routing_bias": arm_pids.routing_bias()}
-        return evaluate(model, arm_vars, tokenizer, task, k=0, forward=forward, **common)
+        first = arm_pids.layers[0]
+        if first not in shared:  # the blocks below the routed ones run once for all arms
+            shared[first] = routing.entry_residuals(model, variables, items, first, batch_size=8)
+        if embedded and "e" not in shared:
+            shared["e"] = encoder.embed([p.text for p in items])
+        extras = {"h0": shared[first], **({"e": shared["e"]} if embedded else {})}
+        return evaluate(model, arm_vars, tokenizer, task, k=0, forward=forward, extras=extras, **common)
 
     runs = {"zero-shot": lambda: evaluate(model, variables, tokenizer, task, k=0, **common),
             "few-shot": few_shot, "task-vector": task_vector}
@@ -606,8 +635,9 @@ def figure(plt, results, summary):
 
 # which tasks are evaluated changes no task's numbers: a resume may evaluate more (or fewer) of them
 # and the function vectors' own settings: a change recomputes them and their entries (``function_vectors``)
+# and which arms: each arm is trained and evaluated on its own, so adding one changes no other's numbers
 FINGERPRINT_IGNORES = ("out", "progress", "resume", "checkpoint_every", "data_dir", "eval_tasks", "fv_heads",
-                       "fv_screen")
+                       "fv_screen", "arms")
 
 
 def fingerprint(args) -> str:
@@ -713,29 +743,32 @@ def main(argv=None) -> int:
         found = bases(model, variables, tokenizer, id_tasks, pids, args, out)
     arms = arm_names(args)
     trained = {a: os.path.exists(out(f"router_{a}.safetensors")) for a in arms}
+    encoder = linicl.lm.minilm() if any(ARMS[a][3] == "minilm" for a in arms) else None
     data = None
     if not all(trained.values()):
         with prog.phase("caching"):
-            data = cached_queries(model, variables, tokenizer, id_tasks, pids, args, out)
+            data = cached_queries(model, variables, tokenizer, id_tasks, pids, args, out, encoder)
         log(f"cached {len(data.y)} training queries of <= {data.h0.shape[1]} tokens")
     methods, forwards = {}, {}
     for a in arms:
-        basis, scale, target = ARMS[a]
+        basis, scale, target, reads = ARMS[a]
         arm_pids = found[basis, scale]
         if trained[a]:
             router, params = routing.load_router(out(f"router_{a}.safetensors"))
         else:
+            arm_data = data if reads == "minilm" else dataclasses.replace(data, e=None)
             with prog.phase(f"training_{a}"):
-                router, params, history = train(model, variables, arm_pids, data, target, args,
+                router, params, history = train(model, variables, arm_pids, arm_data, target, args,
                                                 out(f"ckpt/router_{a}.safetensors"))
                 routing.save_router(out(f"router_{a}"), router, params)
                 prog.state["history"][a] = history
             log(f"training {a}: final loss {history[-1]['loss']:.3f}, bias size {history[-1]['bias_size']}")
         # one forward function per (routed layers, router) object: the harness compiles it once for every
         # arm that shares it (the basis comes in variables["routing_bias"])
-        key = (arm_pids.layers, router)
-        forwards[key] = forwards.get(key) or routing.icr_forward(model, arm_pids, router)
-        methods[a] = (arm_pids, params, forwards[key])
+        key = (arm_pids.layers, router, reads)
+        forwards[key] = forwards.get(key) or routing.icr_forward(model, arm_pids, router, embedded=reads == "minilm",
+                                                                 cached=True)
+        methods[a] = (arm_pids, params, forwards[key], reads == "minilm")
     del data
     timings["training_s"] = sum(timings.get(f"training_{a}_s", 0.0) for a in arms)
 
@@ -754,7 +787,7 @@ def main(argv=None) -> int:
         done = [m for m in old if m not in ROW_FIELDS]
         t0 = time.perf_counter()
         row = evaluate_task(model, variables, tokenizer, task, id_tasks, methods, seed, args, fvs.get(task.name),
-                            done, bar)
+                            done, bar, encoder)
         if not row["detail"]:
             continue
         row = dict(old, **{k: v for k, v in row.items() if k != "detail"}, detail={**old.get("detail", {}),
