@@ -13,11 +13,17 @@ correction merged into its kernels (``lora.apply``), so it stays an ordinary fin
 Seeds, checkpoints and data parallelism work as in stage 1 (``linicl.linearize.transfer``): the same
 settings resume bit-identically, and a checkpoint of other settings (or of other text, teacher
 weights or maps) is refused.
+
+Mixed precision (``compute_dtype="bfloat16"``): the correction, its Adam state and the frozen weights
+stay in their own dtype (the master copy, float32 as loaded); each step casts the corrected weights to
+``compute_dtype`` and runs the student in it (a copy of its config with that dtype), and the KL is taken
+in float32. Gradients reach the float32 correction through the cast. The teacher's targets stay in the
+teacher's own dtype. ``remat``: pass ``student.clone(remat=True)`` (``linicl.nn.transformer``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +33,7 @@ from tqdm.auto import tqdm
 from linicl import checkpoint as ckpt
 from linicl import compiled
 from linicl.linearize import lora as L
-from linicl.linearize.transfer import check_training, input_checksums, step_batch
+from linicl.linearize.transfer import check_training, in_compute_dtype, input_checksums, step_batch
 from linicl.names import PARAMS
 from linicl.parallel import place, place_like, shard_batch, step_shardings
 
@@ -54,9 +60,11 @@ def kl_to_teacher(student_logits, teacher_logits):
     return jnp.mean(jnp.sum(jnp.exp(lp_t) * (lp_t - lp_s), axis=-1))
 
 
-def _step_fn(student, tx, out_shardings=None):
+def _step_fn(student, tx, out_shardings=None, compute_dtype=None):
+    model, cast = in_compute_dtype(student, compute_dtype)
+
     def loss(correction, params, tokens, target):
-        return kl_to_teacher(student.apply({PARAMS: L.apply(params, correction)}, tokens), target)
+        return kl_to_teacher(model.apply({PARAMS: cast(L.apply(params, correction))}, tokens), target)
 
     def step(correction, opt, params, tokens, target):
         kl, grads = jax.value_and_grad(loss)(correction, params, tokens, target)
@@ -65,28 +73,32 @@ def _step_fn(student, tx, out_shardings=None):
     return jax.jit(step, out_shardings=out_shardings)
 
 
-def _settings(student, sequences, rank, targets, steps, batch_size, lr, seed) -> dict:
+def _settings(student, sequences, rank, targets, steps, batch_size, lr, seed, compute_dtype) -> dict:
+    extra = {} if compute_dtype is None else {"compute_dtype": compute_dtype}  # older checkpoints stay valid
     return dict(trainer=TRAINER, student=student.cfg.describe(), rank=rank, targets=list(targets), steps=steps,
-                batch_size=batch_size, lr=lr, seed=seed, sequences=list(sequences.shape))
+                batch_size=batch_size, lr=lr, seed=seed, sequences=list(sequences.shape), **extra)
 
 
 def train_lora(teacher, teacher_variables, student, student_variables, sequences, *, rank: int = 8,
                targets: Sequence[str] = L.TARGETS, steps: int = 100, batch_size: int = 4, lr: float = 1e-3,
                seed: int = 0, log_every: int = 10, checkpoint=None, checkpoint_every: int = 25,
-               progress: bool = True, mesh=None):
+               progress: bool = True, mesh=None, compute_dtype: Optional[str] = None):
     """Stage 2: train a rank-``rank`` correction of the student's ``targets`` projections so that the
     student's next-token distribution matches the teacher's on ``sequences: int32[n, T]``.
+    ``compute_dtype``: run the student in this dtype (e.g. ``"bfloat16"``) with the correction kept in
+    the weights' own (module docstring).
 
     Returns ``(student_variables, correction, DistillHistory)``: the variables with the correction
     merged into the kernels (an ordinary student), and the correction itself (``lora.init``'s tree;
     ``save_maps(..., lora=correction)`` stores it with the maps)."""
     sequences, mesh = check_training("train_lora", teacher, student, sequences, steps, batch_size, mesh)
+    in_compute_dtype(student, compute_dtype)  # refuses a bad dtype before any work
     params = student_variables[PARAMS]
     correction = L.init(params, rank=rank, seed=seed, targets=targets)
     tx = optax.adam(lr)
     opt = tx.init(correction)
     history, start = DistillHistory([], []), 0
-    settings = _settings(student, sequences, rank, tuple(targets), steps, batch_size, lr, seed)
+    settings = _settings(student, sequences, rank, tuple(targets), steps, batch_size, lr, seed, compute_dtype)
     if checkpoint is not None:  # the stage-1 maps are in the student's params: other maps are refused
         settings.update(input_checksums(teacher_variables, params, sequences))
     if checkpoint is not None and ckpt.exists(checkpoint):
@@ -96,7 +108,7 @@ def train_lora(teacher, teacher_variables, student, student_variables, sequences
     # parameters and optimiser state replicated, or sharded on a mesh with a "model" axis (linicl.parallel)
     params_r, teacher_variables = place(params, mesh, PARAMS), place(teacher_variables, mesh)
     correction, opt = place(correction, mesh, PARAMS), place_like(opt, correction, mesh)
-    step_fn = _step_fn(student, tx, step_shardings(mesh, correction, opt, n_logs=1))
+    step_fn = _step_fn(student, tx, step_shardings(mesh, correction, opt, n_logs=1), compute_dtype)
     teacher_fn = _teacher_logits_fn(teacher)
     bar = tqdm(total=steps, initial=start, desc="stage 2 (LoRA)", disable=not progress)
     for t in range(start, steps):

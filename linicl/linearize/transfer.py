@@ -22,7 +22,7 @@ the same parameters as an uninterrupted one (batches are a function of the seed 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ from linicl import compiled
 from linicl.errors import LiniclError
 from linicl.interventions import capture
 from linicl.linearize.student import merge, split, trained_layers
-from linicl.names import INTERMEDIATES, PARAMS, block_site, layer_scope
+from linicl.names import DTYPES, INTERMEDIATES, PARAMS, block_site, layer_scope
 from linicl.nn.block import Block
 from linicl.parallel import data_size, device_mesh, place, place_like, shard_batch, step_shardings
 
@@ -85,11 +85,27 @@ def layer_losses(cfg, params, X, A):
     return jnp.stack(out)
 
 
-def _step_fn(student, tx, out_shardings=None):
-    cfg = student.cfg
+def in_compute_dtype(student, compute_dtype: Optional[str]):
+    """``(model, cast)``: the student as it runs each step, and the cast of its float weights to that
+    model's dtype (the identity without ``compute_dtype``: the student's own dtype)."""
+    if compute_dtype is None:
+        return student, lambda p: p
+    if compute_dtype not in DTYPES:
+        raise LiniclError(f"compute_dtype must be None or one of {DTYPES}, got {compute_dtype!r}")
+    model = student.clone(cfg=student.cfg.replace(dtype=compute_dtype))
+    dt = jnp.dtype(compute_dtype)
 
-    def loss(trained, frozen, X, A):
-        per_layer = layer_losses(cfg, merge(trained, frozen), X, A)
+    def cast(params):
+        return jax.tree_util.tree_map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+    return model, cast
+
+
+def _step_fn(student, tx, out_shardings=None, compute_dtype=None):
+    model, cast = in_compute_dtype(student, compute_dtype)
+    cfg = model.cfg
+
+    def loss(trained, frozen, X, A):  # the teacher's X enters in the compute dtype, A stays as it is
+        per_layer = layer_losses(cfg, cast(merge(trained, frozen)), X.astype(cfg.jnp_dtype), A)
         return jnp.sum(per_layer), per_layer
 
     def step(trained, frozen, opt, X, A):
@@ -132,29 +148,34 @@ def input_checksums(teacher_variables, student_params, sequences) -> dict:
                 student_sha256=ckpt.checksum(student_params))
 
 
-def _settings(student, sequences, steps, batch_size, lr, seed) -> dict:
+def _settings(student, sequences, steps, batch_size, lr, seed, compute_dtype=None) -> dict:
+    extra = {} if compute_dtype is None else {"compute_dtype": compute_dtype}  # older checkpoints stay valid
     return dict(trainer="linicl.linearize.train_maps", student=student.cfg.describe(),
                 window=student.cfg.window, sinks=student.cfg.sinks, feature_size=student.cfg.feature_size,
                 rope_on=student.cfg.rope_on, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                sequences=list(sequences.shape))
+                sequences=list(sequences.shape), **extra)
 
 
 def train_maps(teacher, teacher_variables, student, student_variables, sequences, *, steps: int = 200,
                batch_size: int = 16, lr: float = 1e-2, seed: int = 0, log_every: int = 10,
-               checkpoint=None, checkpoint_every: int = 25, progress: bool = True, mesh=None):
+               checkpoint=None, checkpoint_every: int = 25, progress: bool = True, mesh=None,
+               compute_dtype=None):
     """Attention transfer: train the student's maps (and gates) so that every block's attention output
     matches the teacher's on the teacher's inputs. ``sequences: int32[n, T]`` (``training_sequences``).
+    ``compute_dtype`` (e.g. ``"bfloat16"``): the student's blocks run in it, the maps and Adam's state
+    stay in the weights' own dtype (mixed precision, as ``train_lora``'s).
 
     Returns ``(student_variables, History)``. ``checkpoint``: a file path to save to and resume from
     (a file of other settings, text, teacher weights or starting maps is refused, naming the
     difference; so is one holding NaN)."""
     sequences, mesh = check_training("train_maps", teacher, student, sequences, steps, batch_size, mesh)
+    in_compute_dtype(student, compute_dtype)  # refuses a bad dtype before any work
     trained, frozen = split(student_variables[PARAMS])
     tx = optax.adam(lr)
     opt = tx.init(trained)
     history = History([], [], [])
     start = 0
-    settings = _settings(student, sequences, steps, batch_size, lr, seed)
+    settings = _settings(student, sequences, steps, batch_size, lr, seed, compute_dtype)
     if checkpoint is not None:
         settings.update(input_checksums(teacher_variables, student_variables[PARAMS], sequences))
     if checkpoint is not None and ckpt.exists(checkpoint):
@@ -164,7 +185,7 @@ def train_maps(teacher, teacher_variables, student, student_variables, sequences
     # parameters and optimiser state replicated, or sharded on a mesh with a "model" axis (linicl.parallel)
     frozen, teacher_variables = place(frozen, mesh, PARAMS), place(teacher_variables, mesh)
     trained, opt = place(trained, mesh, PARAMS), place_like(opt, trained, mesh)
-    step_fn = _step_fn(student, tx, step_shardings(mesh, trained, opt, n_logs=2))
+    step_fn = _step_fn(student, tx, step_shardings(mesh, trained, opt, n_logs=2), compute_dtype)
     bar = tqdm(total=steps, initial=start, desc="attention transfer", disable=not progress)
     for t in range(start, steps):
         tokens = shard_batch(step_batch(sequences, t, batch_size, seed), mesh)
@@ -199,4 +220,4 @@ def maps_from_checkpoint(path, student, student_variables):
     return {**student_variables, PARAMS: params}, info
 
 
-__all__ = ["History", "teacher_targets", "layer_losses", "step_batch", "check_training", "input_checksums", "train_maps", "maps_from_checkpoint"]
+__all__ = ["History", "teacher_targets", "layer_losses", "step_batch", "check_training", "input_checksums", "train_maps", "maps_from_checkpoint", "in_compute_dtype"]

@@ -13,6 +13,7 @@ from linicl import linearize as LZ
 from linicl.errors import DataError, LiniclError
 from linicl.linearize import distill
 from linicl.linearize import lora as L
+from linicl.linearize.transfer import layer_losses
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
@@ -141,3 +142,43 @@ def test_sampled_text_is_the_teachers_own_samples(pair):
         LZ.sampled_sequences(teacher, tv, starts, 3)
     with pytest.raises(LiniclError, match="starts"):
         LZ.sampled_sequences(teacher, tv, starts[0], 12)
+
+
+def test_mixed_precision_keeps_a_full_precision_correction_and_still_distils(pair):
+    """``compute_dtype="bfloat16"``: the student runs in bfloat16, the correction and its updates stay in
+    the weights' own dtype; the KL falls as in full precision, the correction is near the full-precision
+    one (bfloat16 keeps ~3 digits) and not equal to it (the compute really was bfloat16)."""
+    teacher, tv, student, sv, seqs = pair
+    x = jnp.asarray(seqs[:8])
+    common = dict(rank=4, steps=15, batch_size=8, lr=1e-2, progress=False)
+    full, c_full, _ = LZ.train_lora(teacher, tv, student, sv, seqs, **common)
+    mixed, c_mixed, hist = LZ.train_lora(teacher, tv, student, sv, seqs, compute_dtype="bfloat16", **common)
+    assert all(a.dtype == jnp.float64 for a in jax.tree_util.tree_leaves((c_mixed, mixed["params"])))
+
+    def kl(v):
+        return float(LZ.kl_to_teacher(student.apply(v, x), teacher.apply(tv, x)))
+    assert kl(mixed) < 0.9 * kl(sv), (kl(sv), kl(mixed))
+    flat = lambda c: jnp.concatenate([a.ravel() for a in jax.tree_util.tree_leaves(c)])  # noqa: E731
+    assert 1e-6 < rel_err(flat(c_mixed), flat(c_full)) < 0.2
+    with pytest.raises(LiniclError, match="compute_dtype"):
+        LZ.train_lora(teacher, tv, student, sv, seqs, compute_dtype="float16", **common)
+
+
+def test_stage1_in_mixed_precision_keeps_full_precision_maps(pair):
+    """``train_maps(compute_dtype="bfloat16")``: the maps stay in the weights' dtype; the bfloat16 blocks
+    measure the same loss as full precision to bfloat16's ~3 digits (not exactly: they really ran in
+    bfloat16), and the maps they train lower the full-precision loss as much as full-precision training
+    does, within 10 %. (The maps themselves may differ by as much as they move: Adam's steps follow
+    the signs of small gradients, which bfloat16 rounding flips.)"""
+    teacher, tv, student, sv, seqs = pair
+    common = dict(steps=6, batch_size=8, lr=3e-3, progress=False, log_every=1)
+    full, h_full = LZ.train_maps(teacher, tv, student, sv, seqs, **common)
+    mixed, h_mixed = LZ.train_maps(teacher, tv, student, sv, seqs, compute_dtype="bfloat16", **common)
+    assert all(a.dtype == jnp.float64 for a in jax.tree_util.tree_leaves(LZ.split(mixed["params"])[0]))
+    assert 1e-6 < abs(h_mixed.loss[0] - h_full.loss[0]) < 0.02 * h_full.loss[0]
+    X, A = LZ.teacher_targets(teacher, tv, jnp.asarray(seqs))
+    loss = lambda v: float(jnp.sum(layer_losses(student.cfg, v["params"], X, A)))  # noqa: E731
+    start, gain_full, gain_mixed = loss(sv), loss(sv) - loss(full), loss(sv) - loss(mixed)
+    assert gain_full > 0.01 * start and abs(gain_mixed - gain_full) < 0.1 * gain_full, (start, gain_full, gain_mixed)
+    with pytest.raises(LiniclError, match="compute_dtype"):
+        LZ.train_maps(teacher, tv, student, sv, seqs, compute_dtype="half", **common)
