@@ -170,11 +170,11 @@ def test_quick_run_writes_json_and_plot(tmp_path):
     record = json.loads((tmp_path / "routing.json").read_text())
     assert set(record["results"]) == {"sst2", "mr", "cb_abc"} and record["add_bos"] is False
     for row in record["results"].values():
-        for method in ("zero-shot", "few-shot", "task-vector", "ICR", "ICR-logit", "ICR-logit-random"):
+        for method in ("zero-shot", "few-shot", "task-vector", "ICR", "ICR-logit", "ICR-logit-random", "ICR-minilm"):
             d = row["detail"][method]
             assert 0.0 <= d["ci_low"] <= row[method] <= d["ci_high"] <= 1.0 and len(d["correct"]) == len(d["items"])
         assert len(row["detail"]["few-shot"]["correct"]) == 4 and len(row["detail"]["ICR"]["correct"]) == row["n"]
-    for arm in ("ICR", "ICR-logit", "ICR-logit-random"):
+    for arm in ("ICR", "ICR-logit", "ICR-logit-random", "ICR-minilm"):
         assert all(math.isfinite(h["loss"]) for h in record["history"][arm])
         assert len(record["history"][arm][-1]["bias_size"]) == len(record["routed_layers"])
     # the logit-scale arms are calibrated; the PIDs and the random basis each to the model's spread
@@ -188,7 +188,8 @@ def test_quick_run_writes_json_and_plot(tmp_path):
     assert "**collapses**" in run.stdout and "**collapses**" in (tmp_path / "routing.md").read_text()
     assert (tmp_path / "routing.png").stat().st_size > 0 and (tmp_path / "pids.npz").exists()
     for name in ("router_ICR.safetensors", "router_ICR-logit-random.safetensors", "ckpt/router_ICR.safetensors",
-                 "progress.json", "pid_acts/sst2.npz", "cache/sst2.npz", "pids_random_logit.npz"):
+                 "progress.json", "pid_acts/sst2.npz", "cache/sst2.npz", "pids_random_logit.npz",
+                 "cache/sst2.minilm.npz", "router_ICR-minilm.safetensors"):
         assert (tmp_path / name).exists(), name
     # A resumed run reuses everything (PIDs, routers, finished tasks) and reports the same numbers.
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=1800)
