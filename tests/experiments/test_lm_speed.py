@@ -89,6 +89,7 @@ def test_quick_with_torch_in_process(tmp_path):
     assert report["torch"]["how"] == "in-process"
     _check_torch_side(report["gpt2"])
     _check_torch_side(report["smollm2"])
+    _check_torch_side(report["gemma3"])  # Gemma3ForCausalLM on linicl.lm.save_pretrained's export
 
 
 @pytest.mark.skipif(not os.environ.get("LINICL_TORCH_PYTHON"),
@@ -103,3 +104,4 @@ def test_quick_with_torch_worker(tmp_path):
         assert report["torch"]["how"] == f"worker process: {python}"
     _check_torch_side(report["gpt2"])
     _check_torch_side(report["smollm2"])
+    _check_torch_side(report["gemma3"])  # Gemma3ForCausalLM on linicl.lm.save_pretrained's export
