@@ -22,11 +22,12 @@ from linicl.errors import ConfigError
 from linicl.kernels.feature_maps import feature_dim
 from linicl.names import (ACTIVATIONS, ALL_FEATURE_MAPS, ATTENTION_KINDS, CACHE_FORMS, CACHE_RULES,  # noqa: F401
                           DTYPES, FEATURE_MAPS, FORMS, GATES, MLPS, NO_LINEAR_PART, NONNEGATIVE_MAPS,
-                          NORM_TYPES, NORMS, POSITIONS, ROPE_ON, ROPE_STYLES, SKIPS, UPDATES, LAYER_TYPES)
+                          NORM_TYPES, NORMS, POSITIONS, ROPE_ON, ROPE_STYLES, SHORT_CONV_ACTIVATIONS, SKIPS,
+                          UPDATES, LAYER_TYPES)
 
 
 # Field kinds. Every field of ModelConfig is in exactly one of these (n_kv_heads, d_head,
-# query_pre_attn_scalar, layer_types, rope_local_base and decay are checked on their own);
+# query_pre_attn_scalar, layer_types, rope_local_base, decay and short_conv are checked on their own);
 # tests/library/test_config_validation.py checks that none is left out.
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len", "chunk_size",
                   "mlp_depth")
@@ -39,7 +40,8 @@ _NONNEGATIVE_FLOATS = ("attn_eps",)
 _CHOICES = {"attention": ATTENTION_KINDS, "feature_map": ALL_FEATURE_MAPS, "rope_on": ROPE_ON,
             "positions": POSITIONS, "norm": NORMS, "norm_type": NORM_TYPES, "skip": SKIPS, "mlp": MLPS,
             "rope_style": ROPE_STYLES, "activation": ACTIVATIONS, "form": FORMS, "dtype": DTYPES,
-            "gate": GATES, "update": UPDATES, "cache_rule": CACHE_RULES}
+            "gate": GATES, "update": UPDATES, "cache_rule": CACHE_RULES,
+            "short_conv_activation": SHORT_CONV_ACTIVATIONS}
 
 
 def _scalar(value):
@@ -202,6 +204,21 @@ class ModelConfig:
         (the local windows keep absolute positions).
       sliding_window: the local layers' window (>= 1 with local layers, else 0).
       rope_local_base: the local layers' rope base; ``None`` = ``rope_base``.
+      short_conv: K, the taps of a short depthwise causal convolution of q, k and v in every linear
+        (global) layer, as in Mamba, GLA, DeltaNet and Gated DeltaNet (``linicl.kernels.short_conv``):
+        each channel c of the projections becomes y_t[c] = act(sum_j w[j, c] x_{t-K+1+j}[c]), j = 0
+        .. K - 1, without bias. It acts after the projections (and their sites ``hook_q``, ``hook_k``,
+        ``hook_v``, before grouped-query heads are repeated) and before everything else: the q/k norms,
+        the query scale, rope, the feature map and the delta rule's L2 norms (fla's order). Params
+        ``conv_q: [K, heads, d_head]``, ``conv_k``, ``conv_v`` (kv_heads), initialised to the
+        identity (tap K - 1 = 1, the others 0: a new model is the model without the convolution when
+        the activation is "none"). Its state, the last K - 1 inputs of q, k, v (zeros before the
+        first token), is stored by a conversion and carried by a decode beside the attention's
+        state (``conv_q``, ``conv_k``, ``conv_v`` in ``prompt_state`` and ``decode``), so the
+        conversion stays exact. 0: none; otherwise >= 2. Needs attention="linear" (local layers of
+        ``layer_types`` have none).
+      short_conv_activation: the activation after the convolution: ``"none"`` or ``"silu"``
+        (``SHORT_CONV_ACTIVATIONS``); a non-default value needs ``short_conv >= 2``.
     """
 
     vocab_size: int = 64
@@ -252,6 +269,8 @@ class ModelConfig:
     layer_types: Optional[Sequence[str]] = None
     sliding_window: int = 0
     rope_local_base: Optional[float] = None
+    short_conv: int = 0
+    short_conv_activation: str = "none"
 
     def __post_init__(self):
         self._check_fields()
@@ -270,6 +289,7 @@ class ModelConfig:
             raise ConfigError("ModelConfig.decay and trainable_bias apply to attention='linear' only")
         self._check_rope()
         self._check_layer_types()
+        self._check_short_conv()
 
     def _set(self, field: str, value) -> None:
         object.__setattr__(self, field, value)  # frozen: normalised values (np.int64 -> int, ...)
@@ -288,6 +308,11 @@ class ModelConfig:
             self._set("query_pre_attn_scalar", _float("query_pre_attn_scalar", self.query_pre_attn_scalar, True))
         if self.rope_local_base is not None:
             self._set("rope_local_base", _float("rope_local_base", self.rope_local_base, True))
+        K = _scalar(self.short_conv)
+        if not isinstance(K, int) or isinstance(K, bool) or K < 0 or K == 1:
+            raise ConfigError(f"ModelConfig.short_conv must be 0 (no convolution) or an int >= 2 (the "
+                              f"kernel's taps), got {self.short_conv!r}")
+        self._set("short_conv", int(K))
         for f in _BOOLS + _OPTIONAL_BOOLS:
             self._set(f, _bool(f, getattr(self, f), optional=f in _OPTIONAL_BOOLS))
         for f in _POSITIVE_FLOATS + _NONNEGATIVE_FLOATS:
@@ -388,6 +413,18 @@ class ModelConfig:
             raise ConfigError("ModelConfig.layer_types: local layers keep absolute positions, so linear "
                               "global layers with rope need rope_on='inputs' (got rope_on='features', "
                               "whose state is re-based to position 0)")
+
+    def _check_short_conv(self) -> None:
+        """The short convolution of q, k, v: linear attention only (its state joins the layer's)."""
+        if not self.short_conv:
+            if self.short_conv_activation != "none":
+                raise ConfigError(f"ModelConfig.short_conv_activation={self.short_conv_activation!r} acts "
+                                  f"after a short convolution, but short_conv=0; set short_conv >= 2")
+            return
+        if self.attention != "linear":
+            raise ConfigError(f"ModelConfig.short_conv={self.short_conv} applies to attention='linear' "
+                              f"only (its state is stored beside the linear state); got "
+                              f"attention={self.attention!r}")
 
     def _check_cache(self) -> None:
         """The sparse cache extends the hybrid: it needs one, and the recurrent form."""
@@ -539,7 +576,8 @@ class ModelConfig:
             attn_eps=0.0, trainable_bias=False,
             rope_on="inputs" if self.positions == "rope" else "features",
             rope_base=self.rope_base if self.rope_local_base is None else self.rope_local_base,
-            layer_types=None, sliding_window=0, rope_local_base=None)
+            layer_types=None, sliding_window=0, rope_local_base=None, short_conv=0,
+            short_conv_activation="none")
 
     def single_layer(self, layer: int) -> "ModelConfig":
         """A one-layer model of layer ``layer`` (its ``layer_config``, with one layer and no pattern)."""
@@ -592,6 +630,9 @@ class ModelConfig:
                 parts.append(f"gate={self.gate}")
             if self.update != "add":
                 parts.append(f"update={self.update}")
+            if self.short_conv:
+                parts.append(f"conv={self.short_conv}"
+                             + (f"/{self.short_conv_activation}" if self.short_conv_activation != "none" else ""))
         if self.kv_heads != self.n_heads:
             parts.append(f"kv{self.kv_heads}")
         parts += [f"pos={self.positions}" + (f"/{self.rope_style}" if self.positions == "rope" else "")

@@ -56,6 +56,10 @@ def _check(cfg: ModelConfig) -> None:
         raise LiniclError("normalisers: qk_norm, query_pre_attn_scalar and local layers are not supported "
                           "(the normaliser is rebuilt from hook_q / hook_k, read before the q/k norms and "
                           "the query scale, with one layer config)")
+    if cfg.short_conv:
+        raise LiniclError(f"normalisers: short_conv={cfg.short_conv} is not supported (the normaliser is "
+                          f"rebuilt from hook_q / hook_k, read before the short convolution); use a model "
+                          f"with short_conv=0")
 
 
 def _decay(cfg: ModelConfig, T: int, dtype):

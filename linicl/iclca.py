@@ -41,7 +41,7 @@ from linicl.kernels import prompt_kernels
 from linicl.kernels.positions import apply_rope
 from linicl.kernels.softmax_attention import repeat_kv
 from linicl.names import (APPROX_FORMS, APPROX_KERNELS, DECODE, POSITION, PROMPT_APPROX, PROMPT_COLLECTIONS,
-                          PROMPT_STATE, block_site, layer_scope, scope_layer)
+                          PROMPT_STATE, SHORT_CONV_STATE, block_site, layer_scope, scope_layer)
 from linicl.nn.norms import make_norm
 from linicl.nn.transformer import config_of, position_offset
 
@@ -90,7 +90,8 @@ def convert(model, variables: Variables, prompt=None, *, embeds=None) -> dict:
       A new variables dict: ``variables`` with the ``"prompt_state"`` collection holding, per layer
       ``layers_l/attn``, ``S: [batch, heads, d_phi, d_head]`` and ``z: [batch, heads, d_phi]`` (with
       a window or sinks also the buffers of ``kernels.hybrid_attention.HybridState``; with
-      ``update="delta"`` ``S`` alone), and
+      ``update="delta"`` ``S`` alone; with ``short_conv`` = K also ``conv_q``, ``conv_k``, ``conv_v``
+      ``[batch, K - 1, heads or kv_heads, d_head]``, the convolution's last inputs), and
       ``"position"`` holding the query's first position ``offset`` (``ModelConfig.keeps_offset``:
       the prompt's end; 0 otherwise).
     Raises:
@@ -173,6 +174,11 @@ def to_trainable(model, converted: Variables):
             f"to_trainable cannot move a window/sinks state into params (window={cfg.window}, "
             f"sinks={cfg.sinks}): the window's and the sinks' keys and values are exact softmax "
             f"entries with positions, not a bias of the linear state; keep the converted variables")
+    if cfg.short_conv:
+        raise LiniclError(f"to_trainable cannot move a short convolution's state into params "
+                          f"(short_conv={cfg.short_conv}): its last K - 1 inputs of q, k, v feed the next "
+                          f"tokens' convolutions and are not a bias of the linear state; keep the "
+                          f"converted variables")
     if cfg.update == "delta":
         raise LiniclError("to_trainable cannot move a delta-rule state into params: the trainable bias "
                           "is additive linear attention's (S, z) (ModelConfig.trainable_bias is refused "
@@ -218,6 +224,11 @@ def bias_terms(variables: Variables) -> list[tuple[jax.Array, jax.Array]]:
         raise LiniclError(f"variables hold no converted prompt (no '{PROMPT_STATE}' collection); call convert")
     layers = variables[PROMPT_STATE]
     scopes = sorted((k for k in layers if scope_layer(k) is not None), key=scope_layer)
+    if any(name in layers[s]["attn"] for s in scopes for name in SHORT_CONV_STATE):
+        raise LiniclError(
+            "bias_terms returns (S, z) only, but this prompt state also holds a short convolution's "
+            f"state ({', '.join(SHORT_CONV_STATE)}; ModelConfig.short_conv); read "
+            f"variables['{PROMPT_STATE}'] directly")
     if any(len(layers[s]["attn"]) > 2 for s in scopes):
         raise LiniclError(
             "bias_terms returns (S, z) only, but this prompt state also holds window/sinks buffers "
@@ -236,7 +247,8 @@ def state_floats(cfg: ModelConfig) -> int:
     per buffered token its key, two feature vectors and value ((window - 1) * (d + 2 d_phi + d_v)) and
     per sink its key and value (sinks * (d + d_v)), and per cache slot what a buffered token holds
     (cache * (d + 2 d_phi + d_v)), and with ``cache_rule="attention"`` a score per buffered and cached
-    token. The buffers' int32 positions are not counted."""
+    token. With a short convolution of K taps, (K - 1) * (heads + 2 kv_heads) * d_head (its last
+    inputs of q, k, v). The buffers' int32 positions are not counted."""
     return sum(_layer_state_floats(cfg.layer_config(layer)) for layer in range(cfg.n_layers))
 
 
@@ -247,7 +259,8 @@ def _layer_state_floats(cfg: ModelConfig) -> int:
         per_head += (max(cfg.window - 1, 0) + cfg.cache) * (d + 2 * F + d) + cfg.sinks * (d + d)
         if cfg.cache and cfg.cache_rule == "attention":
             per_head += max(cfg.window - 1, 0) + cfg.cache
-    return cfg.n_heads * per_head
+    conv = max(cfg.short_conv - 1, 0) * (cfg.n_heads + 2 * cfg.kv_heads) * d
+    return cfg.n_heads * per_head + conv
 
 
 # ------------------------------------------------------------------------------ approximate (softmax)

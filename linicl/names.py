@@ -16,8 +16,10 @@ collection          what it holds
                     ``linicl.kernels.hybrid_attention.HybridState`` (``win_*``, ``sink_*``: the
                     window's and the sinks' keys, features, values and positions); with a cache
                     (``ModelConfig.cache``) those of ``linicl.kernels.sparse_cache.SparseState``
-                    (``cache_*``; ``cache_pos`` per row and head). Read as every
-                    later call's initial state.
+                    (``cache_*``; ``cache_pos`` per row and head). With a short convolution
+                    (``ModelConfig.short_conv`` = K) also ``conv_q: [batch or 1, K - 1, heads,
+                    d_head]``, ``conv_k``, ``conv_v`` (kv_heads): the last K - 1 inputs of the
+                    convolution (``SHORT_CONV_STATE``). Read as every later call's initial state.
 ``prompt_approx``   a softmax layer's kernel-approximated prompt, per layer ``layers_l/attn/approx``
                     (a ``linicl.iclca.PromptApprox``; ``iclca.convert_approx``).
 ``position``        ``offset: int32[]``, the position of the first token a call reads (a prompt
@@ -25,7 +27,7 @@ collection          what it holds
                     sinks; or approximately converted).
 ``decode``          the running state of a decode (``linicl.generate``): softmax layers' key/value
                     cache (``cached_k``, ``cached_v``, ``k_pos``, ``index``), linear layers' running
-                    state (``S``, ``z`` and any window/sink buffers; when present it replaces
+                    state (``S``, ``z``, any window/sink buffers and ``conv_*``; when present it replaces
                     ``prompt_state``: it started from it),
                     and ``n_tokens``, the tokens read so far.
 ``interventions``   edits at named sites (``linicl.interventions``).
@@ -83,6 +85,9 @@ GATES = ("none", "scalar", "vector")
 # delta rule S = (I - beta k k^T) S + beta k v^T (DeltaNet; linicl.kernels.delta_rule), no z.
 UPDATES = ("add", "delta")
 DTYPES = ("float32", "float64", "bfloat16")
+# The activation after linear attention's short causal convolution of q, k, v (ModelConfig.short_conv;
+# linicl.kernels.short_conv): none, or SiLU (Mamba, GLA, DeltaNet).
+SHORT_CONV_ACTIVATIONS = ("none", "silu")
 # A layer's attention (ModelConfig.layer_types): "global" (the config's own attention) or "local" (exact
 # softmax over the last sliding_window tokens: a finite state; Gemma 2/3, Mistral).
 LAYER_TYPES = ("global", "local")
@@ -116,6 +121,9 @@ POSITION = "position"
 DECODE = "decode"
 INTERVENTIONS = "interventions"
 INTERMEDIATES = "intermediates"
+# The short convolution's state entries of a linear layer in ``prompt_state`` and ``decode``: the last
+# K - 1 inputs (before the convolution) of q, k and v (ModelConfig.short_conv).
+SHORT_CONV_STATE = ("conv_q", "conv_k", "conv_v")
 # The collections a stored prompt lives in (``iclca.strip`` removes them).
 PROMPT_COLLECTIONS = (PROMPT_STATE, PROMPT_APPROX, POSITION)
 

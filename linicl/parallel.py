@@ -55,6 +55,10 @@ TENSOR_RULES = (
     (r"attn/(q|k|v|gate_proj|beta_proj)/bias$", 0),
     (r"attn/o/kernel$", 0),
     (r"attn/(gate|phi_\w+|S_bias|z_bias)$", 0),
+    # the short convolution's state [batch, K - 1, heads, d_head] (before its taps' rule, which the
+    # state's path also matches) and taps [K, heads, d_head]
+    (rf"(^|/){PROMPT_STATE}/.*conv_[qkv]$", 2),
+    (r"attn/conv_[qkv]$", 1),
     (r"mlp/(fc_in|fc_gate|fc_mid_\d+)/kernel$", 1),
     (r"mlp/(fc_in|fc_gate|fc_mid_\d+)/bias$", 0),
     (r"mlp/fc_out/kernel$", 0),

@@ -31,7 +31,7 @@ from linicl.config import ModelConfig
 from linicl.errors import NotExactError
 from linicl.metrics import rel_err
 from linicl.errors import LiniclError
-from linicl.names import DECODE
+from linicl.names import DECODE, SHORT_CONV_STATE
 from linicl.nn.transformer import Transformer
 from linicl.timing import FAST_COMPILE, time_call
 
@@ -84,6 +84,12 @@ def zoo() -> dict[str, ModelConfig]:
         "gla-vector-rope-inputs": dict(gate="vector", positions="rope", rope_on="inputs"),
         "gated-delta-rope-chunked": dict(update="delta", gate="scalar", normalize=False, positions="rope",
                                          form="chunked", chunk_size=32),
+        # The short causal convolution of q, k, v (Mamba, GLA, DeltaNet): its last K - 1 inputs are
+        # stored beside the state. Gated DeltaNet as published (K = 4, SiLU), and a hybrid's window.
+        "gated-delta-conv4-silu": dict(update="delta", gate="scalar", normalize=False, positions="rope",
+                                       short_conv=4, short_conv_activation="silu"),
+        "hedgehog-window8-sinks2-conv3": dict(feature_map="hedgehog", positions="rope", rope_on="inputs",
+                                              window=8, sinks=2, short_conv=3),
         # Gemma 3 style: local sliding-window softmax layers (exact, window 8 < the prompt) around a
         # linear global layer, with Gemma's q/k norms, sandwich (1 + w) norms, separate head size and
         # attention scale, scaled embeddings, two rope bases; the global layer a hedgehog hybrid (the
@@ -117,8 +123,9 @@ def _random_variables(model: Transformer, seed):
             lambda p, x: (0.3 * jax.random.normal(key, x.shape, x.dtype) if p[-1].key == "S_bias" else
                           jnp.abs(jax.random.normal(key, x.shape, x.dtype)) if p[-1].key == "z_bias" else x),
             variables)
-    learned = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate")
-    if model.cfg.feature_map == "hedgehog" or model.cfg.hybrid:  # trained-looking maps and gates
+    learned = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate") + SHORT_CONV_STATE
+    # trained-looking maps, gates and convolution taps (identity-initialised: a no-op untrained)
+    if model.cfg.feature_map == "hedgehog" or model.cfg.hybrid or model.cfg.short_conv:
         key = jax.random.PRNGKey(seed + 11)
         variables = jax.tree_util.tree_map_with_path(
             lambda p, x: (x + 0.3 * jax.random.normal(jax.random.fold_in(key, learned.index(p[-1].key)),

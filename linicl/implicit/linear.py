@@ -47,6 +47,12 @@ def context_term(cfg: ModelConfig, block_params, S, x) -> jax.Array:
     if cfg.attention != "linear" or cfg.normalize:
         raise NotExactError("context_term needs unnormalised linear attention (attention='linear', "
                             "normalize=False): otherwise A(C, x) is not linear in the state")
+    if cfg.short_conv:
+        # The context reaches x through the convolution's state as well: x's own q, k, v mix in the
+        # context's last projections, so A(C, x) is not a function of S and x alone.
+        raise NotExactError(f"context_term reads the context through S alone; with short_conv="
+                            f"{cfg.short_conv} x's q, k, v also mix in the context's last K - 1 "
+                            f"projections (the convolution's state); use short_conv=0")
     if cfg.positions == "rope" and cfg.rope_on == "inputs":
         # The state is not re-based then: x would read it at the context's length, not position 0.
         raise NotExactError("context_term reads x at position 0 of a re-based state; with "

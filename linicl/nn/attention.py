@@ -14,22 +14,28 @@ Variable collections (their names and contents: ``linicl.names``):
   always with a bias: ``gate_bias_init``), the log-decay log alpha_t = log_sigmoid(x_t W + b) of every
   head (and key feature) and token; with ``update="delta"``, ``beta_proj`` (kernel
   ``[d_model, heads]``, bias initialised to 0), the write strength beta_t = sigmoid(x_t W + b) in
-  (0, 1). Gates and write strengths are per query head (with grouped-query heads the state is kept
+  (0, 1); with ``cfg.short_conv`` = K, ``conv_q: [K, heads, d_head]``, ``conv_k``, ``conv_v`` (kv_heads), the
+  taps of the short causal convolution of the projections (no bias; initialised to the identity, tap
+  K - 1 = 1). Gates and write strengths are per query head (with grouped-query heads the state is kept
   per query head, after the keys and values are repeated). x is the attention's input.
 * ``prompt_state`` (linear attention): ``S: [batch or 1, heads, d_phi, d_head]``, ``z: [batch or 1,
   heads, d_phi]``, the state a prompt left behind, read as the initial state (with a window or
   sinks, every field of ``HybridState``; with a cache too, of ``sparse_cache.SparseState``, whose
   ``cache_pos`` has a batch axis; with ``update="delta"`` only ``S``, the delta rule's
-  ``DeltaState``). When the collection is mutable the final state is written
+  ``DeltaState``); with a short convolution also ``conv_q: [batch or 1, K - 1, heads, d_head]``,
+  ``conv_k``, ``conv_v`` (kv_heads), the convolution's last K - 1 inputs (``names.SHORT_CONV_STATE``).
+  When the collection is mutable the final state is written
   back (re-based for rope on the features when nothing depends on absolute positions): that is
   ``iclca.convert``.
-* ``decode``: the running state of a decode. Linear attention keeps its ``S``, ``z`` there (started
-  from ``prompt_state``, which it then supersedes); softmax attention its keys, values (``kv_heads`` of
+* ``decode``: the running state of a decode. Linear attention keeps its ``S``, ``z`` (and any other
+  field of its state, ``conv_*`` included) there (started from ``prompt_state``, which it then
+  supersedes); softmax attention its keys, values (``kv_heads`` of
   them), their positions and the fill index.
 * ``prompt_approx`` (softmax attention): ``approx``, a kernel-approximated prompt
   (``linicl.iclca.PromptApprox``, read through its attributes only: the type belongs to the method).
 
-Sites (``linicl.nn.hooks``): ``hook_q``, ``hook_k``, ``hook_v`` (projections before rope),
+Sites (``linicl.nn.hooks``): ``hook_q``, ``hook_k``, ``hook_v`` (projections before the short
+convolution, if any, and rope),
 ``hook_z`` (per-head output before ``o``), all ``[batch, seq, heads, d_head]``; softmax attention also
 has ``hook_attn_scores`` (scaled logits before the causal mask) and ``hook_pattern``, both
 ``[batch, heads, q_seq, k_seq]``.
@@ -40,6 +46,13 @@ which keeps norms). Keys must be: each write I - beta k k^T is then a contractio
 bounded (``linicl.kernels.delta_rule``). Queries are too, as in DeltaNet and Gated DeltaNet: the
 read-out phi(q)^T S is then bounded by the state's norm, and a query equal to a key written with
 beta = 1 reads back exactly its value.
+
+The short convolution (``cfg.short_conv``, ``linicl.kernels.short_conv``) filters q, k, v right after
+their projections (and sites), per head and coordinate, before the q/k norms, rope, the feature map and
+the delta rule's L2 norms (the order of fla's GLA and DeltaNet layers). The hybrids' exact window and
+cache then hold convolved keys and values; the convolution keeps its own state (the last K - 1 inputs),
+read and written beside the attention's, from the same collection (``decode`` when it holds this
+layer's ``S``, else ``prompt_state``), never re-based (it holds no positions).
 """
 
 from __future__ import annotations
@@ -58,8 +71,9 @@ from linicl.kernels.gated_attention import gated_attention
 from linicl.kernels.hybrid_attention import empty_state, hybrid_attention
 from linicl.kernels.linear_attention import LinearState, linear_attention
 from linicl.kernels.positions import apply_rope
+from linicl.kernels.short_conv import short_conv, zero_state as conv_zero_state
 from linicl.kernels.softmax_attention import attention_logits, causal_mask, repeat_kv
-from linicl.names import DECODE, PROMPT_APPROX, PROMPT_STATE
+from linicl.names import DECODE, PROMPT_APPROX, PROMPT_STATE, SHORT_CONV_STATE
 from linicl.nn.hooks import site
 from linicl.nn.norms import make_norm
 
@@ -101,6 +115,13 @@ def l2_normalize(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def identity_taps(key, shape, dtype) -> jax.Array:
+    """The short convolution's initial taps ``f[K, heads, d_head]``: tap K - 1 (the current input) is
+    1, the others 0, so that a new model's convolution passes its input through."""
+    del key
+    return jnp.zeros(shape, dtype).at[-1].set(1)
+
+
 def _batched(a: jax.Array, batch: int, dtype) -> jax.Array:
     """A stored ``[batch or 1, ...]`` array broadcast to ``batch`` rows."""
     return jnp.broadcast_to(a, (batch,) + a.shape[1:]).astype(dtype)
@@ -116,10 +137,13 @@ class Attention(nn.Module):
         dense = functools.partial(nn.DenseGeneral, use_bias=cfg.has_attn_bias, dtype=dt, param_dtype=dt)
         sizes = {"q": (cfg.n_heads, cfg.head_dim), "k": (cfg.kv_heads, cfg.head_dim),
                  "v": (cfg.kv_heads, cfg.head_dim)}
-        # [batch, seq, heads, d_head] (the sites' layout) -> [batch, heads, seq, d_head]
-        q, k, v = (jnp.swapaxes(site(self, f"hook_{n}", dense(sizes[n], name=n)(x), head_axis=2), 1, 2)
-                   for n in ("q", "k", "v"))
-        proj = (q, k)  # as at hook_q/hook_k: what an "fn" edit of the scores is given as q_proj/k_proj
+        # [batch, seq, heads, d_head] (the sites' layout)
+        projected = [site(self, f"hook_{n}", dense(sizes[n], name=n)(x), head_axis=2) for n in ("q", "k", "v")]
+        # as at hook_q/hook_k: what an "fn" edit of the scores is given as q_proj/k_proj
+        proj = tuple(jnp.swapaxes(a, 1, 2) for a in projected[:2])
+        if cfg.short_conv:
+            projected = self._short_conv(projected)
+        q, k, v = (jnp.swapaxes(a, 1, 2) for a in projected)  # -> [batch, heads, seq, d_head]
         if cfg.qk_norm:  # Gemma 3: per head over d_head, one norm shared by the heads, before rope
             q, k = make_norm(cfg, "q_norm")(q), make_norm(cfg, "k_norm")(k)
         if cfg.query_pre_attn_scalar is not None:  # q.k / sqrt(d_head) becomes q.k / sqrt(s)
@@ -132,6 +156,29 @@ class Attention(nn.Module):
         return dense(cfg.d_model, axis=(-2, -1), name="o")(z)
 
     # ------------------------------------------------------------------ linear attention
+    def _short_conv(self, projected: list) -> list:
+        """q, k, v ``f[batch, seq, heads, d_head]`` through the short causal convolution, each from
+        the stored state (``conv_q``, ``conv_k``, ``conv_v``) when this layer has one, else from
+        zeros; the final states are written back with the attention's."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        K, batch = cfg.short_conv, projected[0].shape[0]
+        stored = DECODE if self.has_variable(DECODE, "S") else PROMPT_STATE  # as _initial_state
+        reading = self.has_variable(stored, "S")
+        out, finals = [], {}
+        for x, name in zip(projected, SHORT_CONV_STATE):
+            channels = x.shape[2:]
+            w = self.param(name, identity_taps, (K,) + channels, dt)
+            state = None
+            if reading:
+                state = self._read_stored(stored, name, conv_zero_state(1, K, channels, dt), batch)
+            y, finals[name] = short_conv(x, w, state, cfg.short_conv_activation)
+            out.append(y)
+        for collection in (PROMPT_STATE, DECODE):
+            if advancing(self, collection):
+                for name, a in finals.items():
+                    self.put_variable(collection, name, a)
+        return out
+
     def _linear(self, x, q, k, v, positions):
         cfg = self.cfg
         rotate = functools.partial(apply_rope, positions=positions, base=cfg.rope_base, style=cfg.rope_style)
@@ -261,16 +308,22 @@ class Attention(nn.Module):
         return type(empty)(**{n: a if n in shared else jnp.broadcast_to(a, (batch,) + a.shape[1:])
                               for n, a in fields.items()}), bias
 
+    def _state_names(self) -> tuple:
+        """The names of this layer's stored state: its attention state's fields and, with a short
+        convolution, ``SHORT_CONV_STATE``."""
+        return self._empty_state(1)._fields + (SHORT_CONV_STATE if self.cfg.short_conv else ())
+
     def _model_state(self) -> str:
         cfg = self.cfg
         cache = f"cache={cfg.cache}, cache_rule={cfg.cache_rule!r}, " if cfg.cache else ""
-        return (f"(window={cfg.window}, sinks={cfg.sinks}, {cache}update={cfg.update!r}) keeps "
-                f"{list(self._empty_state(1)._fields)}")
+        conv = f", short_conv={cfg.short_conv}" if cfg.short_conv else ""
+        return (f"(window={cfg.window}, sinks={cfg.sinks}, {cache}update={cfg.update!r}{conv}) keeps "
+                f"{list(self._state_names())}")
 
     def _check_stored_names(self, stored: str) -> None:
         """A stored state with fields this model does not keep came from another model (e.g. an
         additive model's z in a delta-rule model): refused, never silently dropped."""
-        extra = sorted(set(self.variables.get(stored, {})) - set(self._empty_state(1)._fields))
+        extra = sorted(set(self.variables.get(stored, {})) - set(self._state_names()))
         if extra:
             raise LiniclError(f"variables['{stored}'] of {self.path_str()} holds {extra}, but this "
                               f"model {self._model_state()}; it was stored by a different model")

@@ -27,6 +27,7 @@ BAD = [
     ("layer_types", "local"), ("layer_types", ("local",)), ("layer_types", ("global", "loco")),
     ("layer_types", 3), ("layer_types", ("global", None)),
     *[("rope_local_base", v) for v in (0, -1.0, NAN, INF, "1e4", True)],
+    *[("short_conv", v) for v in (1, -1, 2.5, True, "3", None, np.float64(3.0))],
     ("n_kv_heads", 0), ("n_kv_heads", 2.0), ("n_kv_heads", True), ("n_kv_heads", "2"), ("n_kv_heads", 3),
     *[("d_head", v) for v in (0, -2, 2.5, True, "8", np.float64(8.0))],
     *[("query_pre_attn_scalar", v) for v in (0, -1.0, NAN, INF, "16", True)],
@@ -37,7 +38,8 @@ BAD = [
     *[(f, v) for f in ("rope_base", "ln_eps") for v in (0, 0.0, -1.0, NAN, INF, "1e4", True, None, [1.0])],
     *[("attn_eps", v) for v in (-1e-6, NAN, INF, -INF, "1e-6", True, None, np.bool_(False))],
     *[(f, v) for f in ("attention", "feature_map", "positions", "norm", "norm_type", "skip", "mlp",
-                       "rope_style", "rope_on", "activation", "form", "dtype", "gate", "update", "cache_rule")
+                       "rope_style", "rope_on", "activation", "form", "dtype", "gate", "update", "cache_rule",
+                       "short_conv_activation")
       for v in ("nope", None, 1, ["linear"], np.array([1, 2]))],
     ("decay", "1111"), ("decay", "0.9"), ("decay", True), ("decay", np.bool_(True)), ("decay", NAN),
     ("decay", INF), ("decay", 1.5), ("decay", 0), ("decay", -0.5), ("decay", [0.9] * 3),

@@ -126,3 +126,5 @@ def test_from_captured_activations_and_errors():
     gated = linicl.preset("tiny-linear", gate="scalar")
     with pytest.raises(LiniclError, match="gate='scalar'"):
         diagnostics.normalisers(linicl.Transformer(gated), {}, query)
+    with pytest.raises(LiniclError, match="short_conv=3 is not supported"):
+        diagnostics.normalisers(linicl.Transformer(linicl.preset("tiny-linear", short_conv=3)), {}, query)

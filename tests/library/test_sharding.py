@@ -169,6 +169,9 @@ def test_the_rules_split_heads_columns_and_vocabulary():
     assert spec("params/pos_embed", (2048, 576), mesh) == P("data")  # no rule: FSDP alone
     assert spec("params/layers_3/ln1/scale", (576,), mesh) == P()  # small
     assert spec("prompt_state/layers_0/attn/S", (1, 8, 64, 64), mesh) == P(None, "model", "data")
+    # the short convolution's taps [K, heads, d_head] and its state [batch, K - 1, heads, d_head]: by head
+    assert spec("params/layers_3/attn/conv_q", (4, 8, 64), mesh) == P(None, "model", "data")
+    assert spec("prompt_state/layers_0/attn/conv_q", (1, 3, 8, 64), mesh) == P(None, None, "model", "data")
     data_only = jax.sharding.Mesh(np.asarray(jax.devices()[:1], dtype=object), ("data",))
     assert spec("params/embed", (49152, 576), data_only) == P()  # data parallel: replicated
     with pytest.raises(LiniclError, match="model must be an int >= 1 dividing"):
