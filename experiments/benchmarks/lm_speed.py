@@ -311,6 +311,23 @@ def torch_variants(side, name: str, args) -> dict:
     return variants
 
 
+def torch_twin(side, name: str, model, variables, check: np.ndarray, args, tmp: Path, out: dict) -> dict:
+    """The same float32 weights in PyTorch: written by ``linicl.lm.save_pretrained``, loaded by HF
+    (``out["torch_checkpoint"]``), logits compared on ``check`` ids (``out["logits_check"]``); returns
+    the variants to time (``torch_variants``), none when any of it failed (said in ``out``)."""
+    import linicl.lm
+    try:
+        linicl.lm.save_pretrained(tmp / f"{name}-hf", model, variables)
+        out["torch_checkpoint"] = side.call("load", name, str(tmp / f"{name}-hf"))
+        out["logits_check"] = compare_logits(side, name, model, variables, check, tmp)
+        print(f"{name} logits vs {out['torch_checkpoint']['model_class']}: max rel err "
+              f"{out['logits_check']['max_rel_err']:.2e}", flush=True)
+        return torch_variants(side, name, args)
+    except (RuntimeError, OSError) as e:
+        out["torch_checkpoint"] = f"failed: {e}"
+        return {}
+
+
 def matmul_peer(cfg, batch: int, seq: int, seed: int):
     """``(fn, weights, x, flops)``: the forward pass's matrix products alone, as one jitted chain of
     ``jnp.dot``/``jnp.matmul`` on the same shapes (per layer q, k, v projections ``[b T, d] @ [d, heads
@@ -539,16 +556,8 @@ def bench_smollm2(side, args, tmp: Path) -> dict:
                          d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings)
     variants = {}
     if side is not None and not args.no_smollm2_torch:
-        try:
-            linicl.lm.save_pretrained(tmp / "smollm2-hf", model, variables)
-            out["torch_checkpoint"] = side.call("load", "smollm2", str(tmp / "smollm2-hf"))
-            check = random_tokens(args.seed + 2, *(QUICK_CHECK_SHAPE if args.quick else CHECK_SHAPE), cfg.vocab_size)
-            out["logits_check"] = compare_logits(side, "smollm2", model, variables, check, tmp)
-            print(f"SmolLM2 logits vs LlamaForCausalLM: max rel err {out['logits_check']['max_rel_err']:.2e}",
-                  flush=True)
-            variants = torch_variants(side, "smollm2", args)
-        except (RuntimeError, OSError) as e:
-            out["torch_checkpoint"] = f"failed: {e}"
+        check = random_tokens(args.seed + 2, *(QUICK_CHECK_SHAPE if args.quick else CHECK_SHAPE), cfg.vocab_size)
+        variants = torch_twin(side, "smollm2", model, variables, check, args, tmp, out)
     out["shapes"] = timed_rounds(side, "smollm2", model, variables, cfg.vocab_size, args, variants)
     out["torch_variants"] = {v: (spec if isinstance(spec, str) else dict(spec, status="ok"))
                              for v, spec in variants.items()}
@@ -592,17 +601,9 @@ def bench_gemma3(side, args, tmp: Path) -> dict:
     print(f"Gemma 3 load: {out['in_process_load_s']:.2f} s (in process)", flush=True)
     variants = {}
     if side is not None:
-        try:
-            side.call("close")  # free the SmolLM2 models first
-            linicl.lm.save_pretrained(tmp / "gemma3-hf", model, variables)
-            out["torch_checkpoint"] = side.call("load", "gemma3", str(tmp / "gemma3-hf"))
-            check = random_tokens(args.seed + 4, *QUICK_CHECK_SHAPE, model.cfg.vocab_size)
-            out["logits_check"] = compare_logits(side, "gemma3", model, variables, check, tmp)
-            print(f"Gemma 3 logits vs Gemma3ForCausalLM: max rel err {out['logits_check']['max_rel_err']:.2e}",
-                  flush=True)
-            variants = torch_variants(side, "gemma3", args)
-        except (RuntimeError, OSError) as e:
-            out["torch_checkpoint"] = f"failed: {e}"
+        side.call("close")  # free the SmolLM2 models first
+        check = random_tokens(args.seed + 4, *QUICK_CHECK_SHAPE, model.cfg.vocab_size)
+        variants = torch_twin(side, "gemma3", model, variables, check, args, tmp, out)
     out["shapes"] = timed_rounds(side, "gemma3", model, variables, model.cfg.vocab_size,
                                  dict_args(args, shapes=shapes), variants)
     out["torch_variants"] = {v: (spec if isinstance(spec, str) else dict(spec, status="ok"))
