@@ -753,9 +753,9 @@ def parse_args(argv=None):
                         f"(default {[b for b, _ in FULL_SHAPES]}; {[b for b, _ in QUICK_SHAPES]} with --quick)")
     parser.add_argument("--seq", type=int, nargs="+", default=None, help="sequence lengths, paired with --batch "
                         f"(default {[s for _, s in FULL_SHAPES]}; {[s for _, s in QUICK_SHAPES]} with --quick)")
-    parser.add_argument("--torch-python", default=None, metavar="PATH",
+    parser.add_argument("--torch-python", default=os.environ.get("LINICL_TORCH_PYTHON") or None, metavar="PATH",
                         help="a Python with torch + transformers, used in a worker process when torch is "
-                             "not importable here (else the comparison is skipped)")
+                             "not importable here (else the comparison is skipped); default $LINICL_TORCH_PYTHON")
     parser.add_argument("--no-torch", action="store_true", help="linicl only (no PyTorch comparison)")
     parser.add_argument("--torch-threads", type=int, nargs="+", default=None, metavar="N",
                         help="PyTorch intra-op threads: the first value for every PyTorch variant (default: "
