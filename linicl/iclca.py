@@ -224,15 +224,12 @@ def bias_terms(variables: Variables) -> list[tuple[jax.Array, jax.Array]]:
         raise LiniclError(f"variables hold no converted prompt (no '{PROMPT_STATE}' collection); call convert")
     layers = variables[PROMPT_STATE]
     scopes = sorted((k for k in layers if scope_layer(k) is not None), key=scope_layer)
-    if any(name in layers[s]["attn"] for s in scopes for name in SHORT_CONV_STATE):
+    extra = sorted({name for s in scopes for name in layers[s]["attn"]} - {"S", "z"})
+    if extra:
         raise LiniclError(
-            "bias_terms returns (S, z) only, but this prompt state also holds a short convolution's "
-            f"state ({', '.join(SHORT_CONV_STATE)}; ModelConfig.short_conv); read "
-            f"variables['{PROMPT_STATE}'] directly")
-    if any(len(layers[s]["attn"]) > 2 for s in scopes):
-        raise LiniclError(
-            "bias_terms returns (S, z) only, but this prompt state also holds window/sinks buffers "
-            f"({sorted(layers[scopes[0]]['attn'])}); read variables['{PROMPT_STATE}'] directly")
+            f"bias_terms returns (S, z) only, but this prompt state also holds {extra} (window/sinks buffers "
+            f"or a short convolution's state, {', '.join(SHORT_CONV_STATE)}); read variables['{PROMPT_STATE}'] "
+            f"directly")
     if any("z" not in layers[s]["attn"] for s in scopes):
         raise LiniclError(
             "bias_terms returns (S, z), but this prompt state holds S only (a delta-rule model, "
