@@ -251,6 +251,13 @@ EXPERIMENTS = {
         full=["--lengths", "1024", "--n", "8", "--rounds", "2"], json="eval_speed.json", plots=[],
         reference="No paper; issue target: >= 5x faster per query than re-running every prefix at 1K-token "
                   "prompts. Both paths measured in the same run, in alternating rounds."),
+    "device_check": dict(
+        title="Benchmark: the device check on a lent accelerator (forward, stage 1, converted queries, evaluation)",
+        cmd=["experiments/benchmarks/device_check.py"], quick=["--quick"], json="device_check.json", plots=[],
+        device=True,
+        reference="No paper; issue 29's device script (<= 8 min on one accelerator). Runs on a lent GPU, not here: "
+                  "`--write-pack .pack` here, then `--pack .pack` there (see the script's docstring); its JSON "
+                  "is committed in experiments/benchmarks/device_runs/."),
     "lm_speed": dict(
         title="Benchmark: GPT-2-small-sized forward and SmolLM2",
         cmd=["experiments/benchmarks/lm_speed.py"], quick=["--quick"], json="lm_speed.json",
@@ -309,6 +316,10 @@ def run_one(name: str, results: Path, quick: bool, force: bool) -> None:
     out = _out(results, name)
     if (out / spec["json"]).exists() and not force:
         print(f"{name}: result exists ({out / spec['json']}); --force to run again")
+        return
+    if spec.get("device") and not quick:
+        print(f"{name}: runs on a lent accelerator, not here ({spec['cmd'][0]}'s docstring); its --quick mode "
+              f"runs here")
         return
     out.mkdir(parents=True, exist_ok=True)
     if not quick:

@@ -16,17 +16,31 @@ Per model (``--models``: SmolLM2-135M and Gemma 3 270M, those installed):
    after a warm-up call that compiles.
 
 Timings exclude compilation (a warm-up call first) and are medians of ``--repeats`` calls.
-``--quick`` runs SmolLM2 at CPU sizes (the CI test). Writes ``OUT/device_check.json``.
+``--quick`` runs SmolLM2 at CPU sizes (the CI test). Writes ``OUT/device_check.json`` after each model,
+so that a run cut short still returns the models it finished.
+
+**Weights that cannot travel.** A lent machine may receive only a few tens of MB (the packaged GGUF files
+are 98 MB and 245 MB). ``--write-pack DIR`` writes, per model, what the timings depend on and nothing
+else: ``config.json`` (``linicl.lm.save_pretrained``'s config, which ``config_from_hf`` reads back to the
+same ``ModelConfig``) and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``), 1.5 MB for
+SmolLM2 and 12 MB for Gemma 3. ``--pack DIR`` on the device builds each model from its config with
+weights drawn at random (``model.init``) and the shipped linearized maps on top. Every timing here is
+of dense float arithmetic whose cost does not depend on the values; the JSON says ``weights: random``.
 
     python experiments/benchmarks/device_check.py                       # on the accelerator
     python experiments/benchmarks/device_check.py --quick --models smollm2
+    python experiments/benchmarks/device_check.py --write-pack .pack    # here, then carry .pack
+    python experiments/benchmarks/device_check.py --pack .pack          # there
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-queries", type=positive_int, default=256)
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--matmul", type=positive_int, default=4096, help="side of the peer matmul")
+    p.add_argument("--write-pack", metavar="DIR", help="write each model's config and tokenizer to DIR and stop")
+    p.add_argument("--pack", metavar="DIR", help="build the models from DIR (--write-pack) with random weights")
     args = p.parse_args(argv)
     if args.quick:
         p.set_defaults(**QUICK, models="smollm2")
@@ -107,11 +123,14 @@ def stage1_step(name: str, model, variables, args) -> dict:
                 step_s=(more - one) / args.stage1_steps, first_run_s=warm)
 
 
-def converted_speedup(name: str, args) -> list:
-    from linicl import iclca, linearize
+def converted_speedup(name: str, model, variables, args) -> list:
+    """The shipped maps of ``name`` on ``model``'s weights (the real ones, or the pack's random ones)."""
+    from linicl import iclca
+    from linicl.linearize.maps import ARTIFACTS, load_maps
     from linicl.timing import time_call
     longest = max(args.prompt_lengths) + QUERY_LEN
-    student, sv, _ = getattr(linearize, name)(max_len=longest)
+    teacher = type(model)(model.cfg.replace(max_len=longest))
+    student, sv, _ = load_maps(ARTIFACTS / f"{name}_maps.safetensors", teacher, variables)
     fn = jax.jit(student.apply)
     query = tokens(2, 1, QUERY_LEN, student.cfg.vocab_size)
     rows = []
@@ -129,8 +148,9 @@ def eval_rate(model, variables, tokenizer, args) -> dict:
     from linicl.evaluate import evaluate
     rng = np.random.default_rng(4)
     words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "river", "stone", "bird", "fish"]
-    pairs = [Example(a, b) for a, b in zip(rng.choice(words, 400), rng.choice(words, 400))]
-    task = Task("pairs", tuple(pairs[:200]), tuple(pairs[200:200 + args.eval_queries]), None)
+    n = 200 + args.eval_queries  # 200 to draw the demonstration from, then the queries
+    pairs = [Example(a, b) for a, b in zip(rng.choice(words, n), rng.choice(words, n))]
+    task = Task("pairs", tuple(pairs[:200]), tuple(pairs[200:]), None)
     run = dict(k=1, n_eval=args.eval_queries, progress=False, open_metric="first_content_token")
     evaluate(model, variables, tokenizer, task, **run)  # compiles every length bucket
     t0 = time.perf_counter()
@@ -139,24 +159,116 @@ def eval_rate(model, variables, tokenizer, args) -> dict:
     return dict(queries=res.n, seconds=seconds, queries_per_s=res.n / seconds)
 
 
-def check_model(name: str, args, peak: float, log) -> dict:
+def write_pack(directory: str, names: list) -> None:
+    """Per model, ``DIR/<name>/``: ``config.json`` and the tokenizer (see the module's docstring)."""
     import linicl.lm
+    from linicl.lm.export import hf_config
+    for name in names:
+        _, model, _, tokenizer = linicl.lm.load(name)
+        folder = Path(directory) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(hf_config(model.cfg), indent=1))
+        (folder / "tokenizer.json").write_text(tokenizer.backend.to_str())
+        special = dict(add_bos_token=tokenizer.adds_bos, bos_token=tokenizer.bos_token,
+                       eos_token=tokenizer.eos_token)
+        (folder / "tokenizer_config.json").write_text(json.dumps(special, indent=1))
+        print(f"{name}: {folder} ({sum(f.stat().st_size for f in folder.iterdir()) / 1e6:.1f} MB)")
+
+
+def load_model(name: str, args, max_len: int):
+    """``(model, variables, tokenizer, weights)``: the packaged checkpoint, or with ``--pack`` its
+    architecture and tokenizer with random weights (``weights`` says which)."""
+    import linicl.lm
+    if not args.pack:
+        _, model, variables, tokenizer = linicl.lm.load(name, max_len=max_len)
+        return model, variables, tokenizer, "pretrained"
+    from linicl.errors import DataError
+    from linicl.lm.checkpoints import config_from_hf
+    from linicl.lm.tokenizer import Tokenizer
+    from linicl.nn.transformer import Transformer
+    folder = Path(args.pack) / name
+    if not (folder / "config.json").is_file():
+        raise DataError(f"--pack: no {folder / 'config.json'} (write it with --write-pack)")
+    cfg = config_from_hf(json.loads((folder / "config.json").read_text()), source=str(folder / "config.json"))
+    model = Transformer(cfg.replace(max_len=max_len))
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
+    return model, variables, Tokenizer.from_dir(folder), "random"
+
+
+def check_model(name: str, args, peak: float, log) -> dict:
     t0 = time.perf_counter()
-    _, model, variables, tokenizer = linicl.lm.load(name, max_len=max(args.seq, args.stage1_seq, 2048))
-    out = dict(model=model.cfg.describe(), load_s=time.perf_counter() - t0)
+    model, variables, tokenizer, weights = load_model(name, args, max(args.seq, args.stage1_seq, 2048))
+    out = dict(model=model.cfg.describe(), weights=weights, load_s=time.perf_counter() - t0)
     for key, fn in (("forward", lambda: forward_rate(model, variables, args, peak)),
                     ("stage1", lambda: stage1_step(name, model, variables, args)),
-                    ("converted", lambda: converted_speedup(name, args)),
+                    ("converted", lambda: converted_speedup(name, model, variables, args)),
                     ("evaluation", lambda: eval_rate(model, variables, tokenizer, args))):
         t0 = time.perf_counter()
-        out[key] = fn()
-        log(f"{name} {key} ({time.perf_counter() - t0:.1f} s): {out[key]}")
+        try:
+            out[key] = fn()
+        except Exception as e:  # one failed stage on a lent machine must not cost the others' numbers
+            traceback.print_exc()
+            out[key] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+        out[f"{key}_wall_s"] = time.perf_counter() - t0
+        log(f"{name} {key} ({out[f'{key}_wall_s']:.1f} s): {out[key]}")
     return out
+
+
+def summary(m: dict, key: str) -> str:
+    """One stage of one model in words (or its error)."""
+    r = m[key]
+    if isinstance(r, dict) and "error" in r:
+        return f"{key} failed ({r['error'][:80]})"
+    if key == "forward":
+        return f"forward {r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.1f} % of the matmul peer"
+    if key == "stage1":
+        return f"stage-1 step {r['step_s']:.3f} s"
+    if key == "converted":
+        return "converted query x" + ", x".join(f"{x['speedup']:.1f} at {x['prompt_len']}" for x in r)
+    return f"evaluation {r['queries_per_s']:.1f} queries/s"
+
+
+def table(report: dict) -> str:
+    """The headline as a markdown table: one row per model that ran."""
+    peer = report["matmul_peer_flops"] / 1e12
+    rows = ["| model | weights | forward tok/s | MFU (of the f32 matmul peer) | stage-1 step s | converted query "
+            "speed-up | evaluation queries/s |", "|---|---|---|---|---|---|---|"]
+    for name, m in report["models"].items():
+        if "forward" not in m:
+            rows.append(f"| {name} | {m.get('skipped', 'not run')} | | | | | |")
+            continue
+        cells = []
+        for key in ("forward", "stage1", "converted", "evaluation"):
+            r = m[key]
+            if isinstance(r, dict) and "error" in r:
+                cells.append("failed" if key != "forward" else "failed | failed")
+            elif key == "forward":
+                cells.append(f"{r['tokens_per_s']:,.0f} ({r['batch']}x{r['seq']}) | {100 * r['mfu']:.0f} %")
+            elif key == "stage1":
+                cells.append(f"{r['step_s']:.3f} ({r['batch']}x{r['seq']})")
+            elif key == "converted":
+                cells.append(", ".join(f"x{x['speedup']:.0f} at {x['prompt_len'] // 1024}k" for x in r))
+            else:
+                cells.append(f"{r['queries_per_s']:,.0f}")
+        rows.append(f"| {name} | {m['weights']} | " + " | ".join(cells) + " |")
+    return (f"{report['device']} ({report['platform']}); matmul peer {peer:.1f} TFLOP/s (float32 "
+            f"{report['args']['matmul']}^3, JAX's default precision)\n\n" + "\n".join(rows))
+
+
+def write_report(report: dict, out: str, t_start: float) -> None:
+    report["table"] = table(report)
+    report["wall_s"] = time.perf_counter() - t_start
+    report["machine"] = reporting.machine_info()
+    os.makedirs(out, exist_ok=True)
+    reporting.write_json(os.path.join(out, "device_check.json"), report)
 
 
 def main(argv=None) -> int:
     enable_persistent_cache()
     args = parse_args(argv)
+    if args.write_pack:
+        write_pack(args.write_pack, args.models.split(","))
+        return 0
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     from linicl.timing import matmul_rate
     t_start = time.perf_counter()
@@ -172,19 +284,14 @@ def main(argv=None) -> int:
                 raise
             report["models"][name] = dict(skipped=f"{type(e).__name__}: {e}")
             log(f"{name}: skipped ({e})")
-    report["wall_s"] = time.perf_counter() - t_start
-    report["machine"] = reporting.machine_info()
-    os.makedirs(args.out, exist_ok=True)
-    reporting.write_json(os.path.join(args.out, "device_check.json"), report)
+        write_report(report, args.out, t_start)
     for name, m in report["models"].items():
         if "forward" in m:
-            f, c = m["forward"], m["converted"]
-            print(f"{name}: forward {f['tokens_per_s']:.0f} tok/s, MFU {100 * f['mfu']:.1f} % of the matmul peer; "
-                  f"stage-1 step {m['stage1']['step_s']:.2f} s; converted query x"
-                  + ", x".join(f"{r['speedup']:.1f} at {r['prompt_len']}" for r in c)
-                  + f"; evaluation {m['evaluation']['queries_per_s']:.1f} queries/s")
-    print(f"wall {report['wall_s']:.0f} s")
-    return 0
+            print(f"{name}: " + "; ".join(summary(m, key) for key in ("forward", "stage1", "converted", "evaluation")))
+    failed = [f"{n}.{k}" for n, m in report["models"].items() for k, v in m.items()
+              if isinstance(v, dict) and "error" in v]
+    print(f"wall {report['wall_s']:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

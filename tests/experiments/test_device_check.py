@@ -1,6 +1,9 @@
 """experiments/benchmarks/device_check.py: the one-command device check runs on CPU at its quick sizes and
-writes every number; linicl.timing.forward_flops agrees with XLA's own count of the compiled forward."""
+writes every number; its pack (config and tokenizer, for a machine the weights cannot reach) rebuilds the
+same architecture and tokenizer; linicl.timing.forward_flops agrees with XLA's own count of the compiled
+forward."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -15,6 +18,9 @@ from linicl.timing import forward_flops
 from helpers import REPO, smollm2_only
 
 SCRIPT = REPO / "experiments" / "benchmarks" / "device_check.py"
+_spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+dc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dc)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
@@ -54,3 +60,25 @@ def test_quick_run_writes_every_number(tmp_path):
     assert [r["prompt_len"] for r in m["converted"]] == [128] and m["converted"][0]["speedup"] > 0
     assert m["evaluation"]["queries"] == 8 and m["evaluation"]["queries_per_s"] > 0
     assert "smollm2: forward" in run.stdout
+
+
+@smollm2_only
+def test_pack_rebuilds_the_architecture_and_tokenizer(tmp_path):
+    """What the device timings depend on survives the pack: the same ModelConfig (up to max_len, which
+    the check sets), the same token ids and BOS/EOS convention; the weights are random (and say so)."""
+    import linicl.lm
+    dc.write_pack(str(tmp_path), ["smollm2"])
+    _, model, _, tokenizer = linicl.lm.load("smollm2")
+    args = dc.parse_args(["--pack", str(tmp_path), "--models", "smollm2"])
+    packed, variables, packed_tok, weights = dc.load_model("smollm2", args, max_len=96)
+    assert weights == "random" and packed.cfg == model.cfg.replace(max_len=96)
+    shapes = lambda tree: jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
+    real = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
+    assert shapes(variables) == shapes(real)
+    texts = ["Hello, world!", "  two  spaces\n\nand lines", "数字 12345 and code: f(x) = x**2", "<|im_start|>"]
+    assert [packed_tok.encode(t) for t in texts] == [tokenizer.encode(t) for t in texts]
+    assert (packed_tok.bos_id, packed_tok.eos_id, packed_tok.adds_bos) == (
+        tokenizer.bos_id, tokenizer.eos_id, tokenizer.adds_bos)
+    missing = dc.parse_args(["--pack", str(tmp_path / "nowhere")])
+    with pytest.raises(Exception, match="write-pack"):
+        dc.load_model("smollm2", missing, max_len=96)

@@ -87,3 +87,14 @@ def test_an_unfinished_run_carries_its_small_checkpoints_to_a_fresh_machine(tmp_
     assert not (tmp_path / "state" / "routing").exists()
     with pytest.raises(SystemExit, match="carries no state"):
         mod.save_state("verify", tmp_path / "results")
+
+
+def test_the_device_check_is_not_run_here_at_its_default_sizes(tmp_path):
+    """Its default sizes are for a lent accelerator (minutes there, hours on 2 cores): --run says so and
+    runs nothing; its section keeps what a device run measured."""
+    results, out = tmp_path / "results", tmp_path / "RESULTS.md"
+    cmd = [sys.executable, str(REPO / "experiments" / "results.py"), "--run", "--only", "device_check",
+           "--results", str(results), "--output", str(out), "--figures", str(tmp_path / "figures")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "runs on a lent accelerator" in run.stdout
+    assert not (results / "device_check" / "device_check.json").exists()
