@@ -8,7 +8,9 @@ Arms (``--arms``), the same model except for ``ModelConfig.trainable_bias``:
   The zoo's ``z_bias`` is unconstrained, so phi(q).z can reach zero or go negative;
 * **bias_nonneg**: the same, with ``z_bias`` clipped to >= 0 after every update (projected AdamW;
   iclca.md section 8 asks for b >= 0, e.g. softplus, so that denominators stay positive). It still
-  starts at zero, so it starts from the baseline's function.
+  starts at zero, so it starts from the baseline's function;
+* **bias_B_only**: only ``S_bias`` (the paper's B) is trained; ``z_bias`` is held at zero after every
+  update, so the normalisers are the baseline's and the bias acts on the numerator alone.
 
 All arms start from the same shared parameters (the bias model is initialised and its shared
 parameters are copied into the baseline), see the same batches in the same order (batch ``s`` of seed
@@ -57,8 +59,10 @@ from linicl.nn import Transformer
 
 # arm -> how its z_bias (the paper's b) is treated: None (no bias terms), "free" (the zoo's
 # unconstrained zero-initialised parameter) or "project" (the same parameter, clipped to b >= 0 after
-# every update, so that phi(q).z > 0 for every input since phi = elu+1 > 0; it still starts at zero).
-ARMS = {"baseline": None, "bias": "free", "bias_nonneg": "project"}
+# every update, so that phi(q).z > 0 for every input since phi = elu+1 > 0; it still starts at zero)
+# or "zero" (held at zero: B alone is trained).
+ARMS = {"baseline": None, "bias": "free", "bias_nonneg": "project", "bias_B_only": "zero"}
+Z_MODES = ("free", "project", "zero")  # a traced index into these: every bias arm shares one compilation
 BIAS_PARAMS = ("S_bias", "z_bias")
 THRESHOLDS = (0.5, 0.9)
 DECAYED = ("kernel", "embed", "pos_embed")  # the parameters AdamW's weight decay acts on
@@ -67,10 +71,10 @@ DECAYED = ("kernel", "embed", "pos_embed")  # the parameters AdamW's weight deca
 # per full run (3 arms x 3 seeds; the MLP is not needed for induction, so d_ff = d_model).
 FULL = dict(vocab=64, seq_len=64, n_layers=2, n_heads=4, d_model=128, d_ff=128, positions="learned",
             decay=None, steps=1000, batch_size=16, eval_every=50, eval_batch=128, lr=1e-3,
-            weight_decay=0.01, warmup=100)
+            weight_decay=0.01, warmup=100, feature_map="elu+1")
 QUICK = dict(vocab=16, seq_len=16, n_layers=2, n_heads=2, d_model=32, d_ff=64, positions="learned",
              decay=None, steps=20, batch_size=8, eval_every=5, eval_batch=32, lr=1e-3,
-             weight_decay=0.01, warmup=5)
+             weight_decay=0.01, warmup=5, feature_map="elu+1")
 
 
 # ---------------------------------------------------------------------------------------- setup
@@ -89,7 +93,7 @@ def model_config(opts: dict, trainable_bias: bool) -> ModelConfig:
     length = opts["seq_len"] - 1 if opts["task"] == "induction" else 2 * opts["n_pairs"] + 1
     return ModelConfig(vocab_size=opts["vocab"], d_model=opts["d_model"], n_layers=opts["n_layers"],
                        n_heads=opts["n_heads"], d_ff=opts["d_ff"], max_len=max(length, 1),
-                       attention="linear", feature_map="elu+1", decay=opts["decay"],
+                       attention="linear", feature_map=opts.get("feature_map", "elu+1"), decay=opts["decay"],
                        positions=opts["positions"], trainable_bias=trainable_bias)
 
 
@@ -124,6 +128,12 @@ def shared_init(opts: dict, keys) -> tuple[dict, dict]:
             a.shape != b.shape for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(base_params))):
         raise RuntimeError("the baseline's parameters are not the bias model's minus S_bias/z_bias")
     return bias_params, base_params
+
+
+def zero_z_bias(params):
+    """``params`` with every ``z_bias`` set to zero (the B-only arm's projection); other leaves as they are."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jnp.zeros_like(leaf) if getattr(path[-1], "key", None) == "z_bias" else leaf, params)
 
 
 def decay_mask(params):
@@ -181,10 +191,10 @@ class ArmFns(NamedTuple):
 def make_fns(opts: dict, trainable_bias: bool) -> ArmFns:
     """The functions of the arms with (``bias``, ``bias_nonneg``) or without (``baseline``) bias terms.
 
-    ``train_chunk(params, opt_state, data_keys, start, nonneg) -> (params, opt_state, per-step
+    ``train_chunk(params, opt_state, data_keys, start, z_mode) -> (params, opt_state, per-step
     metrics)`` runs ``eval_every`` steps; step ``s`` of seed ``r`` trains on ``fold_in(data_keys[r],
-    s)``; with ``nonneg`` (a traced bool, so that both bias arms share one compilation) every
-    ``z_bias`` is clipped to >= 0 after each update. ``evaluate(params, batch) -> metrics``. Both
+    s)``; ``z_mode`` (a traced index into ``Z_MODES``, so that every bias arm shares one compilation)
+    says what happens to every ``z_bias`` after each update: nothing, clipped to >= 0, or set to 0. ``evaluate(params, batch) -> metrics``. Both
     report the attention denominators."""
     cfg = model_config(opts, trainable_bias)
     model = Transformer(cfg)
@@ -199,7 +209,7 @@ def make_fns(opts: dict, trainable_bias: bool) -> ArmFns:
         metrics.update(denominators(cfg, params, acts))
         return loss, metrics
 
-    def one_step(carry, step, nonneg):
+    def one_step(carry, step, z_mode):
         params, opt_state, data_key = carry
         batch = sample(jax.random.fold_in(data_key, step))
         grads, metrics = jax.grad(forward, has_aux=True)(params, batch)
@@ -207,12 +217,14 @@ def make_fns(opts: dict, trainable_bias: bool) -> ArmFns:
         metrics["grad_norm"] = optax.global_norm(grads)
         params = optax.apply_updates(params, updates)
         if trainable_bias:
-            params = jax.tree.map(lambda new, old: jnp.where(nonneg, new, old), nonnegative_z_bias(params), params)
+            params = jax.tree.map(lambda free, clipped, zeroed: jnp.select(
+                [z_mode == Z_MODES.index("project"), z_mode == Z_MODES.index("zero")], [clipped, zeroed], free),
+                params, nonnegative_z_bias(params), zero_z_bias(params))
         return (params, opt_state, data_key), metrics
 
-    def chunk(params, opt_state, data_key, start, nonneg):
+    def chunk(params, opt_state, data_key, start, z_mode):
         steps = start + jnp.arange(opts["eval_every"])
-        (params, opt_state, _), metrics = jax.lax.scan(functools.partial(one_step, nonneg=nonneg),
+        (params, opt_state, _), metrics = jax.lax.scan(functools.partial(one_step, z_mode=z_mode),
                                                        (params, opt_state, data_key), steps)
         return params, opt_state, metrics
 
@@ -291,13 +303,13 @@ def run(opts: dict, progress: bool = True, checkpoint_path=None) -> dict:
             compiled[with_bias] = (
                 f.opt,
                 f.train_chunk.lower(params, opt_state, data_keys, jnp.zeros((), jnp.int32),
-                                    jnp.zeros((), bool)).compile(),
+                                    jnp.zeros((), jnp.int32)).compile(),
                 f.evaluate.lower(params, eval_batch).compile())
         opt, train_chunk, evaluate = compiled[with_bias]
         timing[arm] = dict(compile_s=time.perf_counter() - t0, train_s=0.0, eval_s=0.0)
         state[arm] = [params, jax.vmap(opt.init)(params)]
-        nonneg = jnp.asarray(ARMS[arm] == "project")
-        fns[arm] = (lambda p, o, k, s, _f=train_chunk, _n=nonneg: _f(p, o, k, s, _n), evaluate)
+        z_mode = jnp.asarray(Z_MODES.index(ARMS[arm]) if with_bias else 0, jnp.int32)
+        fns[arm] = (lambda p, o, k, s, _f=train_chunk, _z=z_mode: _f(p, o, k, s, _z), evaluate)
 
     curves = {arm: dict(train={}, eval={}, eval_steps=[]) for arm in arms}
 
@@ -384,8 +396,9 @@ def summarise(opts: dict, curves: dict, timing: dict, final_params: dict) -> dic
 def figure(plt, report: dict):
     """Training loss, held-out in-context accuracy and loss, and the smallest normaliser, per arm."""
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    colors = dict(baseline="tab:blue", bias="tab:red", bias_nonneg="tab:green")
-    labels = dict(baseline="no bias", bias="trainable (B, b), b free", bias_nonneg="trainable (B, b), b >= 0")
+    colors = dict(baseline="tab:blue", bias="tab:red", bias_nonneg="tab:green", bias_B_only="tab:purple")
+    labels = dict(baseline="no bias", bias="trainable (B, b), b free", bias_nonneg="trainable (B, b), b >= 0",
+                  bias_B_only="trainable B, b = 0")
     panels = [(axes[0, 0], "train", "loss", "training loss (running mean)"),
               (axes[0, 1], "eval", "ctx_acc", "held-out in-context accuracy"),
               (axes[1, 0], "eval", "ctx_loss", "held-out in-context loss"),
@@ -446,12 +459,14 @@ def main(argv=None) -> int:
                             help=f"default {FULL[name]} ({QUICK[name]} with --quick)")
     parser.add_argument("--positions", choices=("none", "learned", "rope"), default=None,
                         help=f"default {FULL['positions']}")
+    parser.add_argument("--feature-map", choices=("elu+1", "hedgehog"), default=None,
+                        help=f"default {FULL['feature_map']}")
     parser.add_argument("--decay", type=_parse_decay, default=argparse.SUPPRESS,
                         help="'none', one gamma, or one per head comma-separated (default none)")
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS),
                         help="baseline: no bias terms; bias: the zoo's trainable (S_bias, z_bias), "
                              "z_bias unconstrained; bias_nonneg: the same with z_bias clipped to >= 0 "
-                             "after every update (default: all three)")
+                             "after every update; bias_B_only: z_bias held at 0 (default: all four)")
     args = parser.parse_args(argv)
 
     changes = {name: getattr(args, name) for name in FULL

@@ -18,6 +18,8 @@ It is computed from the model's own activations (``hook_q``, ``hook_k``) and var
 
 from __future__ import annotations
 
+import functools
+
 from typing import Mapping, NamedTuple, Optional, Sequence
 
 import jax
@@ -91,6 +93,20 @@ def _layer_entry(variables: Mapping, collection: str, layer: int, name: str):
     return variables.get(collection, {}).get(names.layer_scope(layer), {}).get("attn", {}).get(name)
 
 
+def _feature_maps(cfg: ModelConfig, variables: Mapping, layer: int):
+    """``(phi_q, phi_k)`` of one layer: the fixed map twice, or hedgehog with the layer's learned
+    ``phi_{q,k}_{W,b}`` (one map per query head, so keys are repeated to the query heads first)."""
+    if cfg.feature_map != "hedgehog":
+        phi = feature_maps.get(cfg.feature_map)
+        return phi, phi
+    p = variables.get(names.PARAMS, {}).get(names.layer_scope(layer), {}).get("attn", {})
+    if "phi_q_W" not in p:
+        raise LiniclError(f"normalisers_from: layer {layer} has a hedgehog map but variables['params'] "
+                          f"lacks its phi_q_W / phi_k_W")
+    return (functools.partial(feature_maps.hedgehog, W=p["phi_q_W"], b=p["phi_q_b"]),
+            functools.partial(feature_maps.hedgehog, W=p["phi_k_W"], b=p["phi_k_b"]))
+
+
 def normalisers_from(cfg: ModelConfig, variables: Mapping, acts: Mapping[str, jax.Array],
                      layers: Optional[Sequence[int]] = None) -> list[Normaliser]:
     """The normalisers of ``layers`` (default: all, in order) from captured activations.
@@ -110,12 +126,12 @@ def normalisers_from(cfg: ModelConfig, variables: Mapping, acts: Mapping[str, ja
                if n not in acts]
     if missing:
         raise LiniclError(f"normalisers_from: acts lack {missing}; capture normaliser_sites(cfg)")
-    phi = feature_maps.get(cfg.feature_map)
     out = []
     for layer in layers:
+        phi_q, phi_k = _feature_maps(cfg, variables, layer)
         # [batch, seq, heads, d] -> [batch, heads, seq, F]: the unrotated features, as in the normaliser
-        q = phi(jnp.swapaxes(acts[names.block_site(layer, "hook_q")], 1, 2))
-        k = repeat_kv(phi(jnp.swapaxes(acts[names.block_site(layer, "hook_k")], 1, 2)), cfg.n_heads)
+        q = phi_q(jnp.swapaxes(acts[names.block_site(layer, "hook_q")], 1, 2))
+        k = phi_k(repeat_kv(jnp.swapaxes(acts[names.block_site(layer, "hook_k")], 1, 2), cfg.n_heads))
         D, age = _decay(cfg, q.shape[2], q.dtype)
         keys = jnp.einsum("bhts,hts->bht", jnp.einsum("bhtf,bhsf->bhts", q, k), D)  # the call's own keys
         bias = _initial_part(q, _layer_entry(variables, names.PARAMS, layer, "z_bias"), age)

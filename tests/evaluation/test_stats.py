@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from linicl.errors import LiniclError
+from linicl import stats as S
 from linicl.stats import Interval, collapsed, gain, paired_bootstrap, recovered, wilson
 
 
@@ -109,3 +110,25 @@ def test_collapsed_only_when_significantly_below_zero_shot():
     assert collapsed(_correct(5, 40), zero)
     assert not collapsed(_correct(29, 40), zero) and not collapsed(zero, zero)
     assert not collapsed(_correct(40, 40), zero)
+
+
+def test_paired_t_matches_scipy_and_refuses_what_it_cannot_judge():
+    """The t quantiles against SciPy's (the table is exact to its 4 decimals, the expansion beyond it to
+    1e-4), the interval against a hand computation, and the degenerate inputs named."""
+    from scipy import stats as sp
+    for df in (1, 2, 5, 30, 31, 60, 400):
+        assert abs(S.t975(df) - sp.t.ppf(0.975, df)) < 1e-4
+    a, b = [100.0, 150.0, 120.0], [200.0, 190.0, 260.0]  # differences -100, -40, -140
+    r = S.paired_t(a, b)
+    d = np.array([-100.0, -40.0, -140.0])
+    half = sp.t.ppf(0.975, 2) * d.std(ddof=1) / np.sqrt(3)
+    assert r.value == pytest.approx(-93.333333333, rel=1e-9)
+    assert (r.low, r.high) == pytest.approx((d.mean() - half, d.mean() + half), rel=1e-4)
+    assert not r.excludes_zero()  # 3 seeds, a wide spread: not significant although all three are below
+    assert S.paired_t([1.0, 2.0, 3.0], [2.0, 3.0, 4.0]) == (-1.0, -1.0, -1.0)  # no spread: zero width
+    for bad, match in ((([1.0], [2.0]), "at least 2"), (([1.0, np.inf], [0.0, 0.0]), "finite"),
+                       (([1.0, 2.0], [1.0]), "one length")):
+        with pytest.raises(LiniclError, match=match):
+            S.paired_t(*bad)
+    with pytest.raises(LiniclError, match="degrees of freedom"):
+        S.t975(0)

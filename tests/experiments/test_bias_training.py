@@ -124,7 +124,7 @@ def test_quick_run_writes_finite_json_and_plot(tmp_path):
     report = json.loads((tmp_path / "bias_training.json").read_text())
     cfg = report["config"]
     assert cfg["quick"] and cfg["seeds"] == [0, 1, 2]
-    assert set(report["arms"]) == {"baseline", "bias", "bias_nonneg"}
+    assert set(report["arms"]) == {"baseline", "bias", "bias_nonneg", "bias_B_only"}
     for arm, r in report["arms"].items():
         assert r["finite"], arm
         assert r["eval_steps"] == list(range(0, cfg["steps"] + 1, cfg["eval_every"]))

@@ -18,17 +18,31 @@ CASES = {  # every part of the normaliser: bias, stored prompt, decay, grouped h
     "none": dict(preset="tiny-linear", n_kv_heads=2, decay=(0.5, 0.8, 0.9, 1.0)),
     "learned": dict(preset="tiny-linear-learned", n_kv_heads=1),
     "rope": dict(preset="tiny-linear-rope-decay", n_kv_heads=2),
+    "hedgehog": dict(preset="tiny-linear", n_kv_heads=2, feature_map="hedgehog"),  # learned maps, per head
 }
 
 
 def _model(case: str):
     options = dict(CASES[case])
     cfg = linicl.preset(options.pop("preset"), dtype="float64", trainable_bias=True, **options)
-    return (cfg, *init(cfg, seed=3))
+    model, variables = init(cfg, seed=3)
+    if cfg.feature_map == "hedgehog":  # away from the identity initialisation, so that W and b matter
+        rng = np.random.default_rng(4)
+        variables = jax.tree_util.tree_map_with_path(
+            lambda path, a: a + 0.5 * rng.standard_normal(a.shape) if "phi_" in jax.tree_util.keystr(path) else a,
+            variables)
+    return cfg, model, variables
 
 
 def _elu1(x):
     return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
+def _hedgehog(x, W, b):
+    """Hedgehog's map in NumPy on ``x: [B, T, heads, d]``: [softmax(xW + b), softmax(-(xW + b))]."""
+    a = np.einsum("bthd,hdm->bthm", x, np.asarray(W)) + np.asarray(b)[None, None]
+    soft = lambda y: np.exp(y - y.max(-1, keepdims=True)) / np.exp(y - y.max(-1, keepdims=True)).sum(-1, keepdims=True)  # noqa: E731
+    return np.concatenate([soft(a), soft(-a)], axis=-1)
 
 
 def _attn_state(variables, collection, layer, name):
@@ -45,14 +59,18 @@ def numpy_reference(cfg, variables, acts, stored=names.PROMPT_STATE):
     out = []
     for layer in range(cfg.n_layers):
         q, k, v = (np.asarray(acts[f"blocks.{layer}.attn.hook_{s}"]) for s in "qkv")  # [B, T, heads, d]
-        fq, fk = _elu1(q), np.repeat(_elu1(k), rep, axis=2)
+        attn = variables["params"][f"layers_{layer}"]["attn"]
+        if cfg.feature_map == "hedgehog":
+            fq, fk = (_hedgehog(x, attn[f"phi_{s}_W"], attn[f"phi_{s}_b"]) for s, x in
+                      (("q", q), ("k", np.repeat(k, rep, axis=2))))
+        else:
+            fq, fk = _elu1(q), np.repeat(_elu1(k), rep, axis=2)
         v = np.repeat(v, rep, axis=2)
         B, T, H, F = fq.shape
         rq, rk = fq, fk
         if cfg.positions == "rope":  # the numerator's features only; the normaliser keeps phi
             pos = np.arange(T)[:, None]
             rq, rk = (np.asarray(apply_rope(jnp.asarray(f), pos, cfg.rope_base, cfg.rope_style)) for f in (fq, fk))
-        attn = variables["params"][f"layers_{layer}"]["attn"]
         z_bias, S_bias = np.asarray(attn["z_bias"]), np.asarray(attn["S_bias"])
         z_st, S_st = _attn_state(variables, stored, layer, "z"), _attn_state(variables, stored, layer, "S")
         z_st, S_st = np.broadcast_to(z_st, (B, H, F)), np.broadcast_to(S_st, (B, H, F, v.shape[-1]))

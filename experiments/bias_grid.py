@@ -1,0 +1,207 @@
+"""ICLCA Fig. 1 searched over what the paper leaves unstated: a grid of settings of
+``experiments/bias_training.py``, every arm on the same seeds, and a verdict per setting.
+
+The caption says "the model with bias terms shows improved training speed and higher in-context
+accuracy", with no sizes. One reconstruction cannot say whether the claim fails or the setting does, so
+this runs a grid (24 settings by default):
+
+* feature map: elu+1 (the paper's) / hedgehog (learned, positive);
+* positions: none / learned / decay (per-head decays 0.8, 0.9, 0.95, 0.99, no positions);
+* size: small (vocabulary 16, sequence 32, d_model 64) / large (vocabulary 256, sequence 128, d_model 128);
+* learning rate: 1e-3 / 3e-3;
+
+each with the arms baseline, bias (b free), bias_nonneg (b >= 0) and bias_B_only (b = 0), 2 layers,
+1,000 steps of batch 16 and seeds 0, 1, 2 (``--steps``, ``--seeds``; the other options as
+bias_training's defaults, induction task).
+
+**Verdict.** For each bias arm and threshold (50 % and 90 % held-out in-context accuracy): the steps
+the arm needs minus the baseline's, paired over seeds, with a Student-t 95 % interval
+(``linicl.stats.paired_t``). A seed that never reaches the threshold counts as ``steps + eval_every``
+(censored: the difference is then a bound, and the table says how many seeds reached it). An arm is
+"sooner" in a setting when the interval lies below 0, "later" when above. The final in-context
+accuracy is compared the same way.
+
+Each setting runs as its own ``bias_training.py`` process into ``OUT/<setting>/`` (checkpointed there);
+its summary (``OUT/<setting>/summary.json``: steps to thresholds, final accuracies, accuracy curves) marks
+it done, so a stopped grid resumes where it stopped. Writes ``OUT/bias_grid.json`` and
+``OUT/bias_grid.png``.
+
+    python experiments/bias_grid.py               # the grid (hours on 2 cores; resumable)
+    python experiments/bias_grid.py --quick       # 2 tiny settings (CI)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from linicl import reporting
+from linicl.reporting import positive_int
+from linicl.stats import paired_t
+
+SCRIPT = Path(__file__).resolve().parent / "bias_training.py"
+BIAS_ARMS = ("bias", "bias_nonneg", "bias_B_only")
+THRESHOLDS = ("0.5", "0.9")
+DECAYS = "0.8,0.9,0.95,0.99"
+SIZES = {"small": dict(vocab=16, seq_len=32, d_model=64, d_ff=64),
+         "large": dict(vocab=256, seq_len=128, d_model=128, d_ff=128)}
+
+
+def settings(quick: bool) -> dict:
+    """``{key: bias_training arguments}`` of the grid (two tiny settings with ``quick``)."""
+    if quick:
+        return {f"quick-{fm}": ["--quick", "--feature-map", fm] for fm in ("elu+1", "hedgehog")}
+    grid = {}
+    for fm, pos, size, lr in itertools.product(("elu+1", "hedgehog"), ("none", "learned", "decay"), SIZES,
+                                               ("1e-3", "3e-3")):
+        args = ["--feature-map", fm, "--lr", lr, "--positions", "none" if pos == "decay" else pos]
+        args += ["--decay", DECAYS] if pos == "decay" else []
+        for name, value in SIZES[size].items():
+            args += ["--" + name.replace("_", "-"), str(value)]
+        grid[f"{fm}-{pos}-{size}-lr{lr}"] = args
+    return grid
+
+
+def run_setting(key: str, args: list, out: Path, common: list) -> dict:
+    """Run one setting (resuming its checkpoint) unless its summary exists; return the summary."""
+    folder = out / key
+    if (folder / "summary.json").exists():
+        return json.loads((folder / "summary.json").read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(SCRIPT), *args, *common, "--no-progress", "--out", str(folder)]
+    with open(folder / "stdout.txt", "w") as log:
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        raise RuntimeError(f"{key}: bias_training.py exited {code}; see {folder / 'stdout.txt'}")
+    summary = summarise(json.loads((folder / "bias_training.json").read_text()))
+    reporting.write_json(folder / "summary.json", summary)
+    return summary
+
+
+def summarise(report: dict) -> dict:
+    """What the verdict needs of one setting: per arm and seed, steps to each threshold (censored at
+    steps + eval_every), whether it got there, the final in-context accuracy and the accuracy curve."""
+    cfg = report["config"]
+    never = cfg["steps"] + cfg["eval_every"]
+    arms = {}
+    for arm, r in report["arms"].items():
+        reached = {t: r["steps_to_ctx_acc"][t]["per_seed"] for t in THRESHOLDS}
+        arms[arm] = dict(
+            steps={t: [never if s is None else s for s in v] for t, v in reached.items()},
+            reached={t: [s is not None for s in v] for t, v in reached.items()},
+            final_ctx_acc=[r["eval"]["ctx_acc"][str(s)][-1] for s in cfg["seeds"]],
+            ctx_acc_curve=r["eval"]["ctx_acc"], finite=r["finite"],
+            min_denominator=r["denominators"]["min_train"])
+    return dict(model=cfg["model"], seeds=cfg["seeds"], steps=cfg["steps"], eval_steps=report["arms"]["baseline"]
+                ["eval_steps"], lr=cfg["lr"], arms=arms)
+
+
+def verdict(summary: dict) -> dict:
+    """Per bias arm: paired differences to the baseline (steps to each threshold, final accuracy)."""
+    base = summary["arms"]["baseline"]
+    out = {}
+    for arm in BIAS_ARMS:
+        if arm not in summary["arms"]:
+            continue
+        a = summary["arms"][arm]
+        row = {}
+        for t in THRESHOLDS:
+            d = paired_t(a["steps"][t], base["steps"][t])
+            row[f"steps_{t}"] = dict(diff=d._asdict(), sooner=d.high < 0, later=d.low > 0,
+                                     reached=sum(a["reached"][t]), baseline_reached=sum(base["reached"][t]))
+        d = paired_t(a["final_ctx_acc"], base["final_ctx_acc"])
+        row["final_ctx_acc"] = dict(diff=d._asdict(), higher=d.low > 0, lower=d.high < 0)
+        row["diverged"] = not a["finite"] or a["min_denominator"] <= 0
+        out[arm] = row
+    return out
+
+
+def table(results: dict) -> str:
+    """One row per setting and bias arm: Δ steps to 90 % and 50 % and Δ final accuracy, with intervals."""
+    header = ["setting", "arm", "Δ steps to 90 % [95 % CI]", "reached 90 % (arm/base)", "Δ steps to 50 %",
+              "Δ final ctx acc (points)", "verdict"]
+    rows = []
+    for key, r in results.items():
+        for arm, v in r["verdict"].items():
+            s9, s5, fa = v["steps_0.9"], v["steps_0.5"], v["final_ctx_acc"]
+            fmt = lambda d, k=1.0, p=0: f"{k * d['value']:+.{p}f} [{k * d['low']:+.{p}f}, {k * d['high']:+.{p}f}]"  # noqa: E731
+            word = ("sooner" if s9["sooner"] else "later" if s9["later"] else "no difference") + (
+                ", diverged" if v["diverged"] else "")
+            n = len(r["summary"]["seeds"])
+            rows.append([key, arm, fmt(s9["diff"]), f"{s9['reached']}/{n} vs {s9['baseline_reached']}/{n}",
+                         fmt(s5["diff"]), fmt(fa["diff"], 100, 1), word])
+    return reporting.markdown_table(header, rows)
+
+
+def overall(results: dict) -> dict:
+    """How many settings show the caption's effect (an arm significantly sooner to 90 %), per arm."""
+    count = {arm: dict(sooner=[], later=[]) for arm in BIAS_ARMS}
+    for key, r in results.items():
+        for arm, v in r["verdict"].items():
+            for word in ("sooner", "later"):
+                if v["steps_0.9"][word]:
+                    count[arm][word].append(key)
+    return dict(settings=len(results), per_arm=count)
+
+
+def figure(plt, report: dict):
+    """Mean Δ steps to 90 % (arm − baseline) per setting and bias arm, with the t intervals."""
+    keys = list(report["results"])
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(keys) * len(BIAS_ARMS) + 1.5))
+    y = 0
+    colors = dict(bias="tab:red", bias_nonneg="tab:green", bias_B_only="tab:purple")
+    ticks = []
+    for key in keys:
+        for arm, v in report["results"][key]["verdict"].items():
+            d = v["steps_0.9"]["diff"]
+            ax.errorbar(d["value"], y, xerr=[[d["value"] - d["low"]], [d["high"] - d["value"]]], fmt="o",
+                        color=colors[arm], label=arm if y < len(BIAS_ARMS) else None)
+            ticks.append(f"{key} {arm}")
+            y += 1
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(range(len(ticks)), ticks, fontsize=6)
+    ax.invert_yaxis()
+    ax.set(xlabel="steps to 90 % in-context accuracy, arm − baseline (paired over seeds; < 0: sooner)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None) -> int:
+    p = reporting.argument_parser(__doc__)
+    reporting.add_common_args(p, out="results/bias_grid", quick="2 tiny settings (CI)")
+    p.add_argument("--steps", type=positive_int, default=1000, help="training steps per setting")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (>= 2, for paired intervals)")
+    p.add_argument("--only", nargs="+", default=None, help="run only these settings (keys as in the JSON)")
+    args = p.parse_args(argv)
+    if len(set(args.seeds)) < 2 or len(set(args.seeds)) != len(args.seeds):
+        p.error("--seeds: at least 2 different seeds (the verdict pairs them)")
+    grid = settings(args.quick)
+    unknown = sorted(set(args.only or []) - set(grid))
+    if unknown:
+        p.error(f"--only: unknown settings {unknown}; the grid has {sorted(grid)}")
+    common = ["--seeds", *map(str, args.seeds)] + ([] if args.quick else ["--steps", str(args.steps)])
+    out = Path(args.out)
+    results = {}
+    for key in tqdm([k for k in grid if k in (args.only or grid)], desc="settings", disable=not args.progress):
+        summary = run_setting(key, grid[key], out, common)
+        results[key] = dict(args=grid[key], summary=summary, verdict=verdict(summary))
+    report = dict(grid=list(grid), seeds=args.seeds, steps=args.steps, quick=args.quick, results=results,
+                  overall=overall(results), table=table(results), machine=reporting.machine_info())
+    reporting.write_json(out / "bias_grid.json", report)
+    reporting.plot(out / "bias_grid.png", figure, report)
+    print(report["table"])
+    o = report["overall"]
+    for arm, c in o["per_arm"].items():
+        print(f"{arm}: significantly sooner to 90 % in {len(c['sooner'])} of {o['settings']} settings, later in "
+              f"{len(c['later'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

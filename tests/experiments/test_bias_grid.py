@@ -1,0 +1,55 @@
+"""experiments/bias_grid.py: the ICLCA Fig. 1 grid has >= 24 distinct settings, its verdict pairs arms
+over seeds with censoring, and a quick run writes every setting and resumes without rerunning them."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+from helpers import REPO
+
+SCRIPT = REPO / "experiments" / "bias_grid.py"
+_spec = importlib.util.spec_from_file_location("bias_grid", SCRIPT)
+bg = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bg)
+
+
+def test_the_grid_covers_the_unknowns():
+    grid = bg.settings(quick=False)
+    assert len(grid) >= 24 and len({tuple(a) for a in grid.values()}) == len(grid)
+    joined = [" ".join(a) for a in grid.values()]
+    for needle in ("--feature-map hedgehog", "--feature-map elu+1", "--positions learned", "--decay",
+                   "--vocab 256", "--vocab 16", "--lr 3e-3"):
+        assert any(needle in j for j in joined), needle
+
+
+def _summary(base_steps, arm_steps, never=1050):
+    arm = lambda steps: dict(steps={"0.5": steps, "0.9": steps},  # noqa: E731
+                             reached={"0.5": [s < never for s in steps], "0.9": [s < never for s in steps]},
+                             final_ctx_acc=[0.9, 0.9, 0.9], finite=True, min_denominator=0.1)
+    return dict(seeds=[0, 1, 2], arms=dict(baseline=arm(base_steps), bias_nonneg=arm(arm_steps)))
+
+
+def test_verdict_pairs_seeds_and_counts_censored_runs():
+    sooner = bg.verdict(_summary([600, 650, 700], [400, 420, 480]))["bias_nonneg"]["steps_0.9"]
+    assert sooner["sooner"] and not sooner["later"] and sooner["diff"]["value"] < -200
+    noisy = bg.verdict(_summary([600, 650, 700], [300, 700, 500]))["bias_nonneg"]["steps_0.9"]
+    assert not noisy["sooner"] and not noisy["later"]  # mean -150, but the seeds disagree
+    censored = bg.verdict(_summary([1050, 1050, 1050], [500, 600, 550]))["bias_nonneg"]["steps_0.9"]
+    assert censored["sooner"] and censored["reached"] == 3 and censored["baseline_reached"] == 0
+
+
+def test_quick_grid_writes_every_setting_and_resumes(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--no-progress", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((tmp_path / "bias_grid.json").read_text())
+    assert set(report["results"]) == set(bg.settings(quick=True))
+    for r in report["results"].values():
+        assert set(r["verdict"]) == set(bg.BIAS_ARMS)
+    assert "Δ steps to 90 %" in report["table"] and (tmp_path / "bias_grid.png").stat().st_size > 0
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/bias_training.json")}
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing rerun
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--seeds", "1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--seeds" in bad.stderr
