@@ -13,8 +13,12 @@ benchmark run, and ``warm_over_cold`` is their ratio. Tasks:
    and the decode scan never depends on the prompt length), a length in a new bucket. Each length is
    called twice: the second call is the run time alone.
 3. ``forward``: ``jax.jit(model.apply)`` on ``[1, T]`` tokens, first and second call.
+4. ``forward_scan``: the same with ``Transformer(..., scan=True)`` (the blocks run by ``jax.lax.scan``:
+   one block in the traced program instead of ``n_layers``), in processes and a cache folder of its
+   own; ``scan_over_loop`` is its ratio to ``forward`` (the loop, measured in the same run) of each
+   call's first-call and compile time, cold and warm.
 
-The model of 2 and 3 is SmolLM2-135M (``linicl.lm.smollm2()``, float32), or with ``--quick`` a tiny
+The model of 2 to 4 is SmolLM2-135M (``linicl.lm.smollm2()``, float32), or with ``--quick`` a tiny
 random softmax model (seconds). For every call the JSON has ``first_call_s`` (wall time of the first
 call), its compile part (``trace_s``: Python tracing, ``lower_s``: lowering to StableHLO,
 ``backend_s``: XLA compile or loading from the persistent cache; ``compile_s`` their sum), ``run_s``
@@ -44,7 +48,7 @@ _MARK = "COMPILE_SPEED_JSON "  # the line of a child's stdout that holds its res
 _DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
               "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
               "/jax/core/compile/backend_compile_duration": "backend_s"}
-TASKS = ("verify", "verify_untimed", "generate", "forward")
+TASKS = ("verify", "verify_untimed", "generate", "forward", "forward_scan")
 _EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits",
            "/jax/compilation_cache/cache_misses": "cache_misses"}
 
@@ -133,12 +137,12 @@ def child_generate(meter: Meter, quick: bool, lengths: list, new: int) -> dict:
     return out
 
 
-def child_forward(meter: Meter, quick: bool, lengths: list) -> dict:
+def child_forward(meter: Meter, quick: bool, lengths: list, scan: bool = False) -> dict:
     import jax
 
     t0 = time.perf_counter()
     model, variables = _load_lm(quick)
-    forward = jax.jit(model.apply)
+    forward = jax.jit(model.clone(scan=scan).apply)
     out = dict(load_s=time.perf_counter() - t0, calls=[])
     for n in lengths:
         tokens = _prompt(n)
@@ -175,7 +179,7 @@ def child(task: str, quick: bool, lengths: list, new: int) -> dict:
     elif task == "generate":
         result = child_generate(meter, quick, lengths, new)
     else:
-        result = child_forward(meter, quick, lengths)
+        result = child_forward(meter, quick, lengths, scan=task == "forward_scan")
     return dict(task=task, cache=str(cache), import_s=import_s, process_wall_s=time.perf_counter() - _START,
                 process_cpu_s=time.process_time(), **result)
 
@@ -220,6 +224,14 @@ def compare(cold: dict, warm: dict) -> dict:
                        for c, w in zip(cold["calls"], warm["calls"])])
 
 
+def scan_over_loop(loop: dict, scan: dict) -> dict:
+    """``forward_scan`` / ``forward`` of each call's first-call and compile time, cold and warm."""
+    return {phase: [dict(prompt_len=a["prompt_len"], first_call=_ratio(b["first_call_s"], a["first_call_s"]),
+                         compile=_ratio(b["compile_s"], a["compile_s"]))
+                    for a, b in zip(loop[phase]["calls"], scan[phase]["calls"])]
+            for phase in ("cold", "warm")}
+
+
 def print_report(report: dict) -> None:
     for task, r in report["tasks"].items():
         if "skipped" in r:
@@ -245,6 +257,10 @@ def print_report(report: dict) -> None:
         else:
             print(f"{task:14s} warm / cold: process {ratios['process']:.2f}; first call "
                   + ", ".join(f"T={c['prompt_len']} {c['first_call']:.2f}" for c in ratios["calls"]))
+    for phase, calls in report.get("scan_over_loop", {}).items():
+        print(f"forward scan / loop {phase}: first call "
+              + ", ".join(f"T={c['prompt_len']} {c['first_call']:.2f}" for c in calls)
+              + "; compile " + ", ".join(f"T={c['prompt_len']} {c['compile']:.2f}" for c in calls))
     print(f"load average before / after: {report['machine']['load_average']} / "
           f"{report['machine']['load_average_after']}")
 
@@ -257,8 +273,8 @@ def main(argv=None) -> int:
                         help="prompt lengths of generate and forward, called in this order (default 7,12,40: "
                              "two in the 16-token bucket, one in the 48-token bucket)")
     parser.add_argument("--new", type=reporting.positive_int, default=20, help="new tokens per generate call")
-    parser.add_argument("--tasks", default="verify,verify_untimed,generate,forward",
-                        help="comma-separated subset (default: all four)")
+    parser.add_argument("--tasks", default=",".join(TASKS),
+                        help=f"comma-separated subset (default: all of {', '.join(TASKS)})")
     parser.add_argument("--child", default=None, choices=TASKS, help=argparse.SUPPRESS)  # one measurement
     args = parser.parse_args(argv)
     tasks = args.tasks.split(",")
@@ -279,6 +295,9 @@ def main(argv=None) -> int:
             cold = spawn(task, cache_dir, args)
             warm = spawn(task, cache_dir, args)
             report["tasks"][task] = dict(cold=cold, warm=warm, warm_over_cold=compare(cold, warm))
+    done = {t: r for t, r in report["tasks"].items() if "skipped" not in r}
+    if "forward" in done and "forward_scan" in done:
+        report["scan_over_loop"] = scan_over_loop(done["forward"], done["forward_scan"])
     report["machine"]["load_average_after"] = reporting.load_average()
     reporting.write_json(os.path.join(args.out, "compile_speed.json"), report)
     print_report(report)

@@ -1,0 +1,183 @@
+"""``Transformer(cfg, scan=True)``: the blocks run by ``jax.lax.scan`` over whole periods of equal layers
+give the loop's logits and gradients (float64, to the exact tolerance; remat on and off), keep every
+variable path, fall back to the loop where a scan could not be exact, and do scan: the traced program of
+an 8-layer model is about as long as a 2-layer one's, while the loop's grows with depth."""
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import linicl
+from linicl import iclca
+from linicl.errors import LiniclError
+from linicl.interventions import capture, scale, with_edits, zero
+from linicl.names import DECODE
+from linicl.nn.transformer import period_of
+from helpers import BASELINE_MIN, EXACT_RTOL, apply, init, rel_err, tokens
+
+_GEMMA = dict(vocab_size=23, d_model=16, n_heads=4, n_kv_heads=2, d_ff=24, max_len=64, positions="rope",
+              rope_style="half", norm="sandwich", norm_type="gemma_rmsnorm", qk_norm=True, mlp="gated",
+              activation="gelu_tanh", use_bias=False, sliding_window=3, rope_local_base=100.0,
+              dtype="float64")
+# Local, global, local, global, local: period 2, two whole periods scanned and one layer looped.
+_PATTERN = ("local", "global") * 2 + ("local",)
+CONFIGS = {
+    "llama": linicl.preset("tiny-llama", dtype="float64", n_layers=2),
+    "gemma3": linicl.ModelConfig(attention="softmax", n_layers=5, layer_types=_PATTERN, **_GEMMA),
+    "linear": linicl.preset("tiny-linear", dtype="float64", n_layers=2),
+    "short_conv": linicl.preset("tiny-linear-rope-decay", dtype="float64", n_layers=2, short_conv=3,
+                                short_conv_activation="silu"),
+}
+
+
+def _flat(tree) -> jax.Array:
+    return jnp.concatenate([a.ravel() for a in jax.tree.leaves(tree)])
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_grad(model):
+    loss = lambda p, x: jnp.sum(jnp.tanh(model.apply({"params": p}, x)))  # noqa: E731
+    return jax.jit(jax.grad(loss))
+
+
+def _grad(model, variables, x) -> jax.Array:
+    """The gradient of a scalar of the logits w.r.t. the parameters, flattened (one compile a model)."""
+    return _flat(_jitted_grad(model)(variables["params"], x))
+
+
+def _top_scans(model, variables, *args, **kwargs) -> list:
+    """The lengths of the top-level ``scan`` equations of a forward's jaxpr (a scanned model has one
+    of length n_periods that the loop lacks; a kernel's own scans move into its body)."""
+    jaxpr = jax.make_jaxpr(lambda v: model.apply(v, *args, **kwargs))(variables).jaxpr
+    return sorted(e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan")
+
+
+def _extra_scans(model, variables, *args, **kwargs) -> list:
+    scanned = _top_scans(model.clone(scan=True), variables, *args, **kwargs)
+    looped = _top_scans(model, variables, *args, **kwargs)
+    return sorted((collections.Counter(scanned) - collections.Counter(looped)).elements())
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_scanned_blocks_give_the_loops_logits_and_gradients(name):
+    """Logits and parameter gradients, scanned with and without remat, equal the loop's; the parameter
+    tree is the loop's; power: another input's gradient is far off."""
+    cfg = CONFIGS[name]
+    model, variables = init(cfg, 1)
+    x, other = tokens(2, 2, 9, cfg.vocab_size), tokens(3, 2, 9, cfg.vocab_size)
+    scanned, both = model.clone(scan=True), model.clone(scan=True, remat=True)
+    shapes = jax.eval_shape(scanned.init, jax.random.PRNGKey(0), x)  # init loops: the same tree
+    assert jax.tree.structure(shapes) == jax.tree.structure(variables)
+    logits = apply(model, variables, x)
+    assert rel_err(apply(scanned, variables, x), logits) <= EXACT_RTOL
+    assert _extra_scans(model, variables, x) == [cfg.n_layers // (2 if name == "gemma3" else 1)]
+    g = _grad(model, variables, x)
+    assert rel_err(_grad(scanned, variables, x), g) <= EXACT_RTOL
+    assert rel_err(_grad(both, variables, x), g) <= EXACT_RTOL
+    assert rel_err(_grad(model, variables, other), g) >= BASELINE_MIN
+
+
+def test_a_converted_model_reads_its_prompt_state_scanned():
+    """``iclca.convert``'s variables (per-layer prompt states, local windows, the position offset) in a
+    linear model with Gemma-style local layers (rope on the inputs, as local layers need): the scanned
+    query equals the looped one."""
+    cfg = CONFIGS["gemma3"].replace(attention="linear", feature_map="elu+1", rope_on="inputs")
+    model, variables = init(cfg, 4)
+    converted = iclca.convert(model, variables, tokens(5, 1, 6, cfg.vocab_size))
+    q = tokens(6, 2, 5, cfg.vocab_size)
+    looped = apply(model, converted, q)
+    assert rel_err(apply(model.clone(scan=True), converted, q), looped) <= EXACT_RTOL
+    assert _extra_scans(model, converted, q) == [2]  # two periods (local, global) and a looped layer
+    assert rel_err(apply(model, variables, q), looped) >= BASELINE_MIN  # the prompt matters
+
+
+def test_first_layer_scans_what_is_left_and_loops_when_too_little_is():
+    """``first_layer`` 1 leaves two periods of the 5-layer pattern (scanned); 2 leaves fewer (looped);
+    both equal the loop."""
+    cfg = CONFIGS["gemma3"]
+    model, variables = init(cfg, 7)
+    h = jax.random.normal(jax.random.PRNGKey(8), (2, 6, cfg.d_model), jnp.float64)
+    for first, scans in ((1, [2]), (2, [])):
+        run = lambda m: jax.jit(lambda v, e: m.apply(v, embeds=e, first_layer=first))(variables, h)  # noqa: E731
+        assert rel_err(run(model.clone(scan=True)), run(model)) <= EXACT_RTOL
+        assert _extra_scans(model, variables, embeds=h, first_layer=first) == scans
+
+
+def test_fallbacks_capture_edit_and_decode_as_the_loop():
+    """Mutable collections (captured sites, the decode cache) and interventions in a block run the
+    loop: the same activations, edited logits and cached decoding as ``scan=False``. Edits outside the
+    blocks (``hook_embed``) are applied by the model itself, so it still scans, exactly."""
+    cfg = CONFIGS["llama"]
+    model, variables = init(cfg, 9)
+    scanned = model.clone(scan=True)
+    x = tokens(10, 2, 6, cfg.vocab_size)
+    name = "blocks.1.hook_resid_post"
+    assert rel_err(capture(scanned, variables, x, names=[name])[1][name],
+                   capture(model, variables, x, names=[name])[1][name]) <= EXACT_RTOL
+    edited = with_edits(variables, [zero("blocks.0.hook_mlp_out")], cfg)
+    assert rel_err(apply(scanned, edited, x), apply(model, edited, x)) <= EXACT_RTOL
+    assert rel_err(apply(model, edited, x), apply(model, variables, x)) >= BASELINE_MIN
+    assert _extra_scans(model, edited, x) == [] and _extra_scans(model, variables, x) == [2]
+    outside = with_edits(variables, [scale("hook_embed", 2.0)], cfg)  # not in a block: still scanned
+    assert rel_err(apply(scanned, outside, x), apply(model, outside, x)) <= EXACT_RTOL
+    assert _extra_scans(model, outside, x) == [2]
+    step = lambda m: jax.jit(lambda v, t: m.apply(v, t, mutable=[DECODE]))  # noqa: E731
+    (a, sa), (b, sb) = step(model)(variables, x), step(scanned)(variables, x)
+    assert rel_err(b, a) <= EXACT_RTOL and rel_err(_flat(sb), _flat(sa)) <= EXACT_RTOL
+
+
+def test_remat_checkpoints_the_scanned_step():
+    """``scan=True, remat=True``: the gradient's program holds the checkpointed step (the equality of
+    its gradients is tested above)."""
+    cfg = CONFIGS["llama"]
+    model, variables = init(cfg, 11)
+    x = tokens(12, 1, 4, cfg.vocab_size)
+    traced = lambda m: str(jax.make_jaxpr(jax.grad(lambda p: m.apply({"params": p}, x).sum()))(variables["params"]))  # noqa: E731
+    assert "remat" in traced(model.clone(scan=True, remat=True))
+    assert "remat" not in traced(model.clone(scan=True))
+
+
+def _n_equations(jaxpr) -> int:
+    """Equations of a jaxpr, counting those of every sub-jaxpr (a scan's body, a jit's) once."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _n_equations(inner)
+    return total
+
+
+def test_the_scanned_program_does_not_grow_with_depth():
+    """Deterministic size check (no timing): an 8-layer scanned forward traces to about as many
+    equations as a 2-layer one (within 1.5x: only the stacking of each layer's variables grows),
+    the unrolled 8-layer one to at least 2.5x."""
+    x = jnp.zeros((1, 4), jnp.int32)
+
+    def size(n_layers: int, scan: bool) -> int:
+        model = linicl.Transformer(CONFIGS["llama"].replace(n_layers=n_layers), scan=scan)
+        shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
+        return _n_equations(jax.make_jaxpr(model.apply)(shapes, x).jaxpr)
+
+    scan2, scan8, loop2, loop8 = size(2, True), size(8, True), size(2, False), size(8, False)
+    assert scan8 <= 1.5 * scan2, (scan2, scan8)
+    assert loop8 >= 2.5 * loop2, (loop2, loop8)
+
+
+def test_period_of_finds_the_smallest_repeating_pattern():
+    assert period_of("aaaa") == 1
+    assert period_of("llgllg") == 3
+    assert period_of("llgllgl") == 3  # a remainder of one layer
+    assert period_of("llgll") is None  # fewer than two whole periods
+    assert period_of("ab") == period_of("a") is None and period_of("") is None
+
+
+def test_scan_must_be_a_bool():
+    cfg = CONFIGS["linear"]
+    with pytest.raises(LiniclError, match="scan must be a bool"):
+        linicl.Transformer(cfg, scan="yes").init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))
