@@ -139,14 +139,20 @@ def table(results: dict) -> str:
 
 
 def overall(results: dict) -> dict:
-    """How many settings show the caption's effect (an arm significantly sooner to 90 %), per arm."""
-    count = {arm: dict(sooner=[], later=[]) for arm in BIAS_ARMS}
+    """Per bias arm, the settings where it is significantly sooner / later to 90 % and significantly
+    higher / lower in final in-context accuracy (the caption's two claims), and the settings where the
+    baseline never reached 90 % on any seed (there "no difference" in speed says nothing)."""
+    count = {arm: dict(sooner=[], later=[], higher=[], lower=[]) for arm in BIAS_ARMS}
     for key, r in results.items():
         for arm, v in r["verdict"].items():
             for word in ("sooner", "later"):
                 if v["steps_0.9"][word]:
                     count[arm][word].append(key)
-    return dict(settings=len(results), per_arm=count)
+            for word in ("higher", "lower"):
+                if v["final_ctx_acc"][word]:
+                    count[arm][word].append(key)
+    unlearned = [k for k, r in results.items() if not any(r["summary"]["arms"]["baseline"]["reached"]["0.9"])]
+    return dict(settings=len(results), per_arm=count, baseline_never_reached_90=unlearned)
 
 
 def figure(plt, report: dict):
@@ -198,8 +204,10 @@ def main(argv=None) -> int:
     print(report["table"])
     o = report["overall"]
     for arm, c in o["per_arm"].items():
-        print(f"{arm}: significantly sooner to 90 % in {len(c['sooner'])} of {o['settings']} settings, later in "
-              f"{len(c['later'])}")
+        print(f"{arm}: of {o['settings']} settings, significantly sooner to 90 % in {len(c['sooner'])}, later in "
+              f"{len(c['later'])}; final in-context accuracy significantly higher in {len(c['higher'])}, lower in "
+              f"{len(c['lower'])}")
+    print(f"the baseline never reached 90 % in {len(o['baseline_never_reached_90'])} settings")
     return 0
 
 
