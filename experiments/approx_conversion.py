@@ -70,12 +70,13 @@ from tqdm.auto import tqdm
 
 from linicl.compiled import enable_persistent_cache
 import linicl.lm
-from linicl import batching, compiled, data, iclca, reporting, stats
+from linicl import activations, batching, data, iclca, reporting, stats
 from linicl.errors import LiniclError
-from linicl.evaluate import first_content_index
-from linicl.interventions import capture
+from linicl.evaluate import first_content_targets
+from linicl.fidelity import copy_test, method_scores, predict
 from linicl.memory import prompt_floats
 from linicl.names import PROMPT_APPROX, block_site
+from linicl import recovery as recovery_lib
 
 DEFAULT_TASKS = ("present-past", "capitalize", "singular-plural", "sst2", "trec", "agnews")
 QUICK_TASKS = ("antonym", "sst2")
@@ -116,143 +117,15 @@ def convert(model, variables, prompt: np.ndarray, spec: dict, args, fit_inputs=N
 
 
 # ------------------------------------------------------------------------------------------ forward
-def _forward_fn(model, width: int):
-    """jit(variables, tokens[B, T], lengths[B], start) -> (log-softmax at each row's last real token
-    f32[B, vocab], attention outputs z f32[L, B, width, heads * d_head] at positions start..start+width)."""
-    cfg = model.cfg
-    names = [block_site(layer, "hook_z") for layer in range(cfg.n_layers)]
-
-    def run(variables, tokens, lengths, start):
-        h, acts = capture(model, variables, tokens, names=names, hidden=True)
-        logits = batching.unembed(cfg, variables["params"], batching.last_positions(h, lengths))
-        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        z = jnp.stack([acts[n] for n in names])  # [L, B, T, H, d]
-        z = jax.lax.dynamic_slice_in_dim(z, start, width, axis=2)
-        return lp, z.reshape(z.shape[:3] + (-1,)).astype(jnp.float32)
-    return compiled.get(("experiments.approx_conversion.forward", model, width), lambda: jax.jit(run))
-
-
 def run_rows(model, variables, rows: list, start: int, width: int, args) -> tuple[np.ndarray, np.ndarray]:
-    """Token rows (1-D arrays) -> (log-probs [N, vocab] at each row's last token, z [L, N, width, H*d]
-    from position ``start`` on, the same in every row). Rows are right-padded to one length bucket and
-    cut into batches of ``args.batch_size`` (the last one padded with copies of a row, whose outputs
-    are dropped)."""
-    lengths = np.asarray([len(r) for r in rows], np.int32)
-    T = batching.bucket_length(max(int(lengths.max()), start + width), args.bucket, model.cfg.max_len
-                               if model.cfg.positions == "learned" else None)
-    if T < start + width:
-        raise LiniclError(f"rows of {T} positions cannot hold start {start} + width {width}")
-    tokens = batching.pad_tokens(rows, T)
-    fn = _forward_fn(model, width)
-    lps, zs = [], []
-    B = min(args.batch_size, len(rows))
-    for i in range(0, len(rows), B):
-        t, le = batching.pad_rows(tokens[i:i + B], B), batching.pad_rows(lengths[i:i + B], B)
-        lp, z = fn(variables, jnp.asarray(t), jnp.asarray(le), jnp.asarray(start, jnp.int32))
-        m = min(B, len(rows) - i)
-        lps.append(np.asarray(lp)[:m])
-        zs.append(np.asarray(z)[:, :m])
-    lp, z = np.concatenate(lps), np.concatenate(zs, axis=1)
-    if not np.all(np.isfinite(lp)):
-        raise LiniclError("non-finite log-probabilities")
-    return lp, z
-
-
-# ------------------------------------------------------------------------------------------ metrics
-def _kl(lp_p: np.ndarray, lp_q: np.ndarray) -> np.ndarray:
-    """KL(p || q) per row from log-probabilities (renormalised over the given columns)."""
-    lp_p = lp_p - _logsumexp(lp_p)
-    lp_q = lp_q - _logsumexp(lp_q)
-    return np.sum(np.exp(lp_p) * (lp_p - lp_q), axis=-1)
-
-
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    m = np.max(x, axis=-1, keepdims=True)
-    return m + np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
-
-
-def layer_errors(z: np.ndarray, z_ref: np.ndarray, qlens: np.ndarray) -> tuple[list, list]:
-    """Per layer: mean over queries of ||z - z_ref|| / ||z_ref|| over the query's tokens, and at its
-    last token only."""
-    W = z.shape[2]
-    mask = np.arange(W)[None, :] < qlens[:, None]  # [N, W]; padding may hold anything, even NaN
-    d2 = np.where(mask, np.sum((z.astype(np.float64) - z_ref) ** 2, axis=-1), 0.0)  # [L, N, W]
-    r2 = np.where(mask, np.sum(z_ref.astype(np.float64) ** 2, axis=-1), 0.0)
-    every = np.sqrt(np.sum(d2, -1) / np.maximum(np.sum(r2, -1), 1e-30))  # [L, N]
-    idx = np.arange(len(qlens))
-    last = np.sqrt(d2[:, idx, qlens - 1] / np.maximum(r2[:, idx, qlens - 1], 1e-30))
-    return every.mean(1).tolist(), last.mean(1).tolist()
-
-
-def score(lp: np.ndarray, label_ids) -> np.ndarray:
-    """Predicted token per row: label-restricted argmax (classification) or full-vocabulary argmax."""
-    if label_ids is None:
-        return np.argmax(lp, axis=-1)
-    return np.asarray(label_ids)[np.argmax(lp[:, label_ids], axis=-1)]
-
-
-def method_metrics(lp, z, ref: dict, gold_ids, label_ids, kl_ids, qlens) -> dict:
-    pred = score(lp, label_ids)
-    correct = pred == gold_ids
-    iv = stats.wilson(int(correct.sum()), correct.size)
-    distinct = len(np.unique(pred))
-    out = dict(accuracy=iv.value, ci_low=iv.low, ci_high=iv.high, correct=correct.astype(int).tolist(),
-               predictions=pred.tolist(), distinct=distinct, constant=bool(pred.size > 1 and distinct == 1))
-    if ref is not None:
-        kl_full = _kl(ref["lp"], lp)
-        kl_label = _kl(ref["lp"][:, kl_ids], lp[:, kl_ids]) if kl_ids is not None else None
-        err, err_last = layer_errors(z, ref["z"], qlens)
-        out.update(agree_with_prompt=float(np.mean(pred == ref["pred"])),
-                   kl_full_mean=float(np.mean(kl_full)), kl_full_median=float(np.median(kl_full)),
-                   kl_full=kl_full.tolist(),
-                   kl_label_mean=None if kl_label is None else float(np.mean(kl_label)),
-                   kl_label_median=None if kl_label is None else float(np.median(kl_label)),
-                   layer_rel_err=err, layer_rel_err_last=err_last,
-                   rel_err_mean_over_layers=float(np.mean(err)))
-    return out
+    """Token rows -> (log-probs [N, vocab] at each row's last token, attention outputs z [L, N, width, H*d]
+    from position ``start`` on; ``linicl.activations.logprobs_and_window``)."""
+    names = [block_site(layer, "hook_z") for layer in range(model.cfg.n_layers)]
+    return activations.logprobs_and_window(model, variables, rows, names, start, width, batch_size=args.batch_size,
+                                           bucket=args.bucket)
 
 
 # ------------------------------------------------------------------------------------------ tasks
-def query_rows(prompts) -> tuple[int, np.ndarray, list]:
-    """The shared context length n, the context tokens, and each prompt's query tokens."""
-    n = prompts[0].query_start
-    ctx = prompts[0].tokens[:n]
-    for p in prompts:
-        if p.query_start != n or not np.array_equal(p.tokens[:n], ctx):
-            raise LiniclError("the prompts do not share one demonstration context")
-    return n, ctx, [p.tokens[n:] for p in prompts]
-
-
-def fit_queries(task, tok, template, exclude, m: int, target_len: int, seed: int):
-    """``m`` query token rows from the task's demo pool (never the test split), not among ``exclude``
-    (the prompt's demos), all of one length (the one with at least m candidates closest to
-    ``target_len``; else the most frequent), so the fit sees no padding."""
-    rng = np.random.default_rng([seed, 11])
-    by_len: dict = {}
-    for i in rng.permutation(len(task.train))[:max(400, 40 * m)]:
-        ex = task.train[i]
-        if ex in exclude:
-            continue
-        p = data.build_prompt(template, (), ex, tok, add_bos=False)
-        row = p.tokens[p.query_start:]
-        by_len.setdefault(len(row), []).append(row)
-    if not by_len:
-        return None
-    full = [L for L, rows in by_len.items() if len(rows) >= m]
-    L = (min(full, key=lambda x: (abs(x - target_len), x)) if full
-         else max(by_len, key=lambda x: (len(by_len[x]), -x)))
-    return np.stack(by_len[L][:m]).astype(np.int32)
-
-
-def first_content_golds(tok, prompts, prefix: str) -> tuple[np.ndarray, list]:
-    """Per prompt, the gold answer's first content token and the blank tokens before it (the
-    scoring of ``linicl.evaluate``'s ``open_metric="first_content_token"``)."""
-    golds = [[int(i) for i in tok.encode(prefix + p.label)] for p in prompts]
-    cuts = [first_content_index(tok, g) for g in golds]
-    return (np.asarray([g[j] for g, j in zip(golds, cuts)], np.int32),
-            [np.asarray(g[:j], np.int32) for g, j in zip(golds, cuts)])
-
-
 def with_blanks(prompts, blanks) -> list:
     """Each prompt's tokens followed by its gold answer's blank prefix."""
     return [np.concatenate([p.tokens, b]) for p, b in zip(prompts, blanks)]
@@ -265,7 +138,9 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
     zero_prompts = data.build_eval_set(task, tok, k=0, seed=args.seed, n_eval=args.n_eval, add_bos=add_bos)
     n_bos = zero_prompts[0].query_start
     if label_ids is None:
-        gold_ids, blanks = first_content_golds(tok, zero_prompts, template.label_prefix)
+        rows, gold_ids = first_content_targets(tok, zero_prompts, [p.label for p in zero_prompts],
+                                               template.label_prefix)
+        blanks = [r[len(p.tokens):] for r, p in zip(rows, zero_prompts)]  # the answers' blank prefixes
         cand = np.unique(gold_ids)
         kl_ids = cand if len(cand) >= 2 else None
     else:
@@ -292,7 +167,7 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
         try:
             prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval, same_demos=True,
                                           add_bos=add_bos)
-            n, ctx, q_k = query_rows(prompts)
+            n, ctx, q_k = data.shared_context(prompts)
             q_k = [np.concatenate([q, b]) for q, b in zip(q_k, blanks)]
             if any(not np.array_equal(a, b) for a, b in zip(q_k, queries)):
                 raise LiniclError("the query tokens differ between the zero-shot and the k-shot prompts")
@@ -306,15 +181,15 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
             skipped.append(dict(task=task.name, k=k, method="all", reason=str(e)))
             bar.update(1)
             continue
-        pred_p = score(lp_p, label_ids)
+        pred_p = predict(lp_p, label_ids)
         ref = dict(lp=lp_p, z=z_p, pred=pred_p)
         cell.update(prompt_len=int(n), demos=[dict(input=d.input, output=d.output) for d in prompts[0].demos],
                     kv_cache_floats=int(2 * model.cfg.n_layers * model.cfg.kv_heads * model.cfg.head_dim * n))
-        cell["methods"]["prompt"] = method_metrics(lp_p, z_p, None, gold_ids, label_ids, kl_ids, qlens)
-        cell["methods"]["zero"] = method_metrics(lp0, z0, ref, gold_ids, label_ids, kl_ids, qlens)
+        cell["methods"]["prompt"] = method_scores(lp_p, z_p, None, gold_ids, label_ids, kl_ids, qlens)
+        cell["methods"]["zero"] = method_scores(lp0, z0, ref, gold_ids, label_ids, kl_ids, qlens)
         fit = None
         if any(s.get("fit") for s in specs.values()):
-            fit = fit_queries(task, tok, template, set(prompts[0].demos), args.fit_queries,
+            fit = data.fit_queries(task, tok, template, set(prompts[0].demos), args.fit_queries,
                               int(np.median(qlens)), args.seed)
             cell["fit_inputs_shape"] = None if fit is None else list(fit.shape)
         for i, (name, spec) in enumerate(specs.items()):
@@ -329,7 +204,7 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
             except LiniclError as e:
                 skipped.append(dict(task=task.name, k=k, method=name, reason=str(e)))
                 continue
-            m = method_metrics(lp, z, ref, gold_ids, label_ids, kl_ids, qlens)
+            m = method_scores(lp, z, ref, gold_ids, label_ids, kl_ids, qlens)
             # the seeded random projections are not counted: they are re-drawn from the seed
             m.update(convert_s=t1 - t0, eval_s=t2 - t1, state_floats=prompt_floats(conv, projections=False))
             cell["methods"][name] = m
@@ -346,166 +221,21 @@ def run_task(model, variables, tok, task, args, specs, add_bos, bar) -> tuple[di
 
 
 # ------------------------------------------------------------------------------------------ recovery
-def _iv(iv) -> dict:
-    """An Interval as JSON (None stays None: the quantity is undefined)."""
-    return None if iv is None else dict(value=iv.value, low=iv.low, high=iv.high)
-
-
-def compare(correct: dict, variants: list) -> dict:
-    """Per-query correctness ``{method: array}`` of one set of paired queries -> the few-shot gain with
-    its paired interval, each variant's recovered share (None unless the gain is significantly positive), its
-    difference to the prompted model and whether it (or the prompted model) collapsed."""
-    zero, few = correct["zero"], correct["prompt"]
-    g = stats.gain(few, zero)
-    present = [v for v in variants if v in correct]
-    return dict(zero=float(zero.mean()), prompt=float(few.mean()), gain=_iv(g), significant=g.excludes_zero(),
-                variant_acc={v: float(correct[v].mean()) for v in present},
-                fraction={v: _iv(stats.recovered(correct[v], few, zero)) if v in correct else None for v in variants},
-                vs_prompt={v: _iv(stats.paired_bootstrap(correct[v], few)) for v in ["zero"] + present},
-                collapsed={v: stats.collapsed(correct[v], zero) for v in ["prompt"] + present})
-
-
-def _cell_correct(cell: dict) -> dict:
-    return {m: np.asarray(r["correct"], float) for m, r in cell["methods"].items()}
-
-
-def _pooled_correct(cells: list) -> dict:
-    """The (query, k) pairs of every k concatenated, for the methods every cell has."""
-    cs = [_cell_correct(c) for c in cells]
-    common = set.intersection(*(set(c) for c in cs))
-    return {m: np.concatenate([c[m] for c in cs]) for m in common}
-
-
-def best_variant(passes: dict, mean_fraction) -> tuple:
-    """``(best, tied)`` from ``passes`` ({variant: tasks where it recovers >= half of the gain}): the
-    variant passing on the most tasks, a tie broken by ``mean_fraction(variant)``; ``best`` is None when
-    no variant passes on any task (``tied``: every variant, all at 0) or when the leaders tie on both
-    (``tied``: the leaders). Naming one of equals "best" would report an order that is not there."""
-    if not passes:
-        return None, []
-    key = {v: (len(p), mean_fraction(v)) for v, p in passes.items()}
-    top = max(key.values())
-    leaders = [v for v in passes if key[v] == top]
-    if top[0] == 0:
-        return None, list(passes)
-    return (leaders[0], []) if len(leaders) == 1 else (None, leaders)
-
-
 def recovery(tasks: dict, variants: list) -> dict:
-    """The few-shot gain recovered, per (task, k) and per task pooled over k (every (query, k) a pair),
-    and the issue's target: the best variant recovers >= half of the gain on >= half of the tasks,
-    counting only tasks with a significantly positive gain (``linicl.stats.recovered``)."""
-    per_cell, pooled = {}, {}
-    for name, e in tasks.items():
-        for k, cell in e["k"].items():
-            per_cell[f"{name}/k={k}"] = dict(task=name, k=int(k), **compare(_cell_correct(cell), variants))
-        if e["k"]:
-            pooled[name] = compare(_pooled_correct(list(e["k"].values())), variants)
-
-    def ok(f) -> bool:
-        return f is not None and f["value"] >= 0.5
-
-    with_gain = [t for t, p in pooled.items() if p["significant"] and p["gain"]["value"] > 0]
-    passes = {v: [t for t in with_gain if ok(pooled[t]["fraction"][v])] for v in variants}
-
-    def mean_fraction(v) -> float:
-        fs = [pooled[t]["fraction"][v]["value"] for t in with_gain if pooled[t]["fraction"][v] is not None]
-        return float(np.mean(fs)) if fs else -math.inf
-
-    best, tied = best_variant(passes, mean_fraction)
-    need = math.ceil(len(pooled) / 2)
-    per_k = {}
-    for k in sorted({c["k"] for c in per_cell.values()}):
-        cells = {c["task"]: c for c in per_cell.values() if c["k"] == k}
-        g = [t for t, c in cells.items() if c["significant"] and c["gain"]["value"] > 0]
-        passing = {v: sorted(t for t in g if ok(cells[t]["fraction"][v])) for v in variants}
-        per_k[str(k)] = dict(tasks=len(cells), tasks_with_gain=len(g), passing=passing,
-                             target_met=bool(variants) and bool(g) and max(len(x) for x in passing.values())
-                             >= math.ceil(len(cells) / 2))
-    return dict(
-        definition=("fraction = (acc_variant - acc_zero) / (acc_prompt - acc_zero) with a 95 % bootstrap "
-                    "interval (linicl.stats.recovered), defined only where the few-shot gain acc_prompt - "
-                    "acc_zero is significant (paired bootstrap interval above 0). Primary (pooled): every "
-                    "(query, k) of a task one pair. Target: one variant (the best) has fraction >= 0.5 on at "
-                    "least ceil(#tasks / 2) of all evaluated tasks (a task without a significant gain counts "
-                    "as not recovered). best_variant: the one passing on the most tasks (then the highest "
-                    "mean fraction); None with tied_variants when none passes on any task or the leaders "
-                    "tie. collapsed: significantly below zero-shot. per_k: the same at each k."),
-        per_task_k=per_cell, per_task_pooled=pooled, tasks=len(pooled), tasks_with_gain=len(with_gain),
-        passing=passes, best_variant=best, tied_variants=tied,
-        best_mean_fraction=None if best is None or not math.isfinite(mean_fraction(best)) else mean_fraction(best),
-        needed=need, target_met=bool(with_gain) and max(map(len, passes.values()), default=0) >= need,
-        per_k=per_k)
+    """``linicl.recovery.recovery`` of every evaluated (task, k) cell's per-query correctness."""
+    return recovery_lib.recovery({name: {k: {m: np.asarray(r["correct"], float) for m, r in cell["methods"].items()}
+                                         for k, cell in e["k"].items()} for name, e in tasks.items()}, variants)
 
 
 # ------------------------------------------------------------------------------------------ synthetic
 def synthetic(model, variables, specs: dict, args, progress: bool) -> dict:
-    """Random prompt r (P tokens), input r[:m]: the prompted model copies (induction); every method is
-    compared with it at the input's m positions."""
-    cfg = model.cfg
-    P, m, npairs = args.synthetic_prompt, args.synthetic_input, args.synthetic_pairs
-    low = min(args.synthetic_low, cfg.vocab_size // 4)
-    rng = np.random.default_rng([args.seed, 21])
-    fwd = jax.jit(lambda v, t: model.apply(v, t))
-    names = ["zero"] + list(specs)
-    acc = {n: dict(rel_err=[], kl=[], agree=[], copy_acc=[], nll=[]) for n in ["prompt"] + names}
-    skipped = []
-    fit_windows = [(j, j + m) for j in range(m, P - m + 1, m)]
-    pairs = [rng.integers(low, cfg.vocab_size, size=P).astype(np.int32) for _ in range(npairs)]
-    sb = max(1, min(args.synthetic_batch, npairs))
-    bar = tqdm(total=npairs, desc="synthetic", disable=not progress, leave=False)
-    for i in range(0, npairs, sb):
-        nb = min(sb, npairs - i)
-        R = batching.pad_rows(np.stack(pairs[i:i + nb]), sb)  # [sb, P]; padding rows (copies) are dropped
-        inp = R[:, :m]
-        ref = np.asarray(fwd(variables, jnp.asarray(np.concatenate([R, inp], 1))))[:nb, P:].astype(np.float64)
-        outs = {"prompt": ref, "zero": np.asarray(fwd(variables, jnp.asarray(inp)))[:nb].astype(np.float64)}
-        for name, spec in specs.items():
-            try:
-                if spec.get("fit"):  # the fit needs a batch-1 prompt: one conversion per pair
-                    out = np.concatenate([np.asarray(fwd(convert(
-                        model, variables, R[j], spec, args,
-                        np.stack([R[j, a:b] for a, b in fit_windows]) if fit_windows else None),
-                        jnp.asarray(inp[j:j + 1]))) for j in range(nb)])
-                else:  # a batch of prompts, each serving its own input
-                    out = np.asarray(fwd(convert(model, variables, R, spec, args), jnp.asarray(inp)))[:nb]
-            except LiniclError as e:
-                if not any(s["method"] == name for s in skipped):
-                    skipped.append(dict(method=name, reason=str(e)))
-                continue
-            outs[name] = out.astype(np.float64)
-        for j in range(nb):
-            target = R[j, 1:m + 1]
-            ref_j = ref[j]
-            ref_lp = ref_j - _logsumexp(ref_j)
-            for name, lgs in outs.items():
-                lg = lgs[j]
-                lp = lg - _logsumexp(lg)
-                a = acc[name]
-                a["rel_err"].append(float(np.linalg.norm(lg - ref_j) / np.linalg.norm(ref_j)))
-                a["kl"].append(float(np.mean(np.sum(np.exp(ref_lp) * (ref_lp - lp), -1))))
-                a["agree"].append(float(np.mean(np.argmax(lg, -1) == np.argmax(ref_j, -1))))
-                a["copy_acc"].append(float(np.mean(np.argmax(lg, -1) == target)))
-                a["nll"].append(float(-np.mean(lp[np.arange(m), target])))
-        bar.update(nb)
-    bar.close()
-    methods = {}
-    for name, a in acc.items():
-        if not a["rel_err"]:
-            continue
-        methods[name] = dict(
-            pairs=len(a["rel_err"]), logit_rel_err_mean=float(np.mean(a["rel_err"])),
-            logit_rel_err_median=float(np.median(a["rel_err"])), kl_mean=float(np.mean(a["kl"])),
-            kl_median=float(np.median(a["kl"])), argmax_agree=float(np.mean(a["agree"])),
-            copy_acc=float(np.mean(a["copy_acc"])), copy_nll=float(np.mean(a["nll"])),
-            per_pair=dict(rel_err=a["rel_err"], kl=a["kl"], agree=a["agree"], copy_acc=a["copy_acc"]))
-    return dict(settings=dict(pairs=npairs, prompt_len=P, input_len=m, token_low=low, vocab=cfg.vocab_size,
-                              fit_windows=fit_windows,
-                              description="prompt = P uniform random tokens in [low, vocab); input = its "
-                                          "first m tokens; scored at the input's m positions; copy target "
-                                          "= the prompt's next token; lsq fits on later windows of the "
-                                          "prompt (not the input)"),
-                methods=methods, skipped=skipped)
+    """The paper's synthetic copy test (``linicl.fidelity.copy_test``) of every variant."""
+    def converter(spec):
+        return lambda prompts, fit: convert(model, variables, prompts, spec, args, fit)
+    methods = {name: (converter(spec), bool(spec.get("fit"))) for name, spec in specs.items()}
+    return copy_test(model, variables, methods, prompt_len=args.synthetic_prompt, input_len=args.synthetic_input,
+                     pairs=args.synthetic_pairs, low=min(args.synthetic_low, model.cfg.vocab_size // 4),
+                     batch=args.synthetic_batch, seed=args.seed, progress=progress)
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -1,85 +1,28 @@
 """Recall capacity of the zoo's mixers on multi-query associative recall (Zoology's MQAR) and on
 in-context linear regression, and the same predictions read from the prompt converted into weights.
 
-``--tasks`` (default both): ``mqar`` and ``regression``, each with one model per mixer.
+``--tasks`` (default both): ``mqar`` and ``regression``, one small model per mixer of ``--mixers``
+(``--d-model`` 64, 2 layers, 4 heads, MLP 128): the seven of ``linicl.capacity.mixers``, whose finite
+states hold the same number of floats per prompt; softmax's prompt is a KV cache, not convertible.
 
-Mixers (``--mixers``), one small model each (``--d-model`` 64, 2 layers, 4 heads, MLP 128, no
-positions except softmax's rope). The finite-state ones store the same number of floats per prompt,
-``iclca.state_floats``: L * H * (d_phi * d_head + d_phi) with d_phi = d_head (the delta rule keeps no
-z: L * H * d_phi * d_head, d_head floats fewer per head):
+MQAR (``linicl.capacity.mqar``): the curriculum ``circuit`` (``--circuit-steps``, 2 pairs and 1 query
+on 16 tokens, batch ``--circuit-batch``), ``vocab <V'>`` (``--vocab-steps`` per doubling of the
+sub-vocabulary) and ``pairs`` (``--steps``, one batch per size of ``--train-pairs``, ``--queries`` /
+queries sequences); float32, ``linicl.training.warmup_cosine_adam`` (``--lr``). Evaluation in float64
+(the trained weights cast): for each number of pairs of ``--pairs``, ``--eval-batch`` held-out
+sequences with ``--eval-queries`` queries, the accuracy with its 95 % Wilson interval (queries of one
+sequence share a prompt: somewhat optimistic); every finite-state model is also converted on the pairs
+and must predict the same (asserted). Delta rule against additive (delta - linear, gated_delta -
+gated): a paired bootstrap interval on the same queries. The default budget (about 30 minutes on 2
+busy CPU cores) leaves every model far from trained at 8 pairs and more (RESULTS.md): the numbers
+compare mixers under one small, equal budget, not their capacity at convergence.
 
-* ``softmax``: softmax attention with rope; its prompt is a KV cache of 2 * L * H * d_head floats per
-  prompt token (reported against the number of pairs), not a finite state: not convertible;
-* ``linear``: linear attention, phi = elu+1, normalised (Katharopoulos et al.);
-* ``decayed``: the same with a fixed per-head decay gamma_h = 1 - 2^-s_h, s_h evenly over [0.4,
-  6.6] (0.24, 0.82, 0.96, 0.99 for 4 heads: RetNet-style, one head almost a token shift);
-* ``gated``, ``gated_vector``: data-dependent decays, one per head and token (``gate="scalar"``,
-  Mamba-2 style) or per head, token and key feature (``gate="vector"``, GLA);
-* ``delta``: the delta rule (DeltaNet; phi = identity, L2-normalised q and k, ``normalize=False``);
-* ``gated_delta``: the delta rule with a scalar gate (Gated DeltaNet).
-
-The gated models' gate biases start at the decayed model's gammas (alpha_h = gamma_h at x W = 0):
-a gate is then the fixed decay plus what the tokens make of it. The zoo's own initial gates remember
-8 to 512 tokens (``linicl.nn.attention.gate_bias_init``); our models have no short convolution (which
-Zoology's, GLA's and DeltaNet's models all have) and must make the token shift that binds a key to
-its value from a short memory, which the zoo's gates only reach after more steps than this
-experiment trains.
-
-MQAR data (``linicl.data.synthetic.mqar_batch``): ``k_1 v_1 ... k_n v_n`` then queried keys, each
-followed by its value; keys are distinct tokens of the lower half of the vocabulary, values uniform
-tokens of the upper half. Loss and accuracy at the query keys only.
-
-MQAR training (the same for every mixer; float32, Adam with global-norm clipping at 1, linear warm-up
-then cosine decay to lr / 10 over all steps): a curriculum, because the recall circuit (a token shift
-in the first layer, a content match in the second) forms in a few hundred steps on a small
-vocabulary and not within a thousand on the full one:
-
-1. ``circuit``: ``--circuit-steps`` steps of 2 pairs and 1 query, keys and values from a 16-token
-   sub-vocabulary (8 keys, 8 values), batch ``--circuit-batch``;
-2. ``vocab <V'>``: ``--vocab-steps`` steps each with the sub-vocabulary doubled until it is the
-   whole vocabulary (2 pairs, 1 query);
-3. ``pairs``: ``--steps`` steps on the whole vocabulary, every step one batch per size of
-   ``--train-pairs`` (n pairs, max(1, n / 2) queries, ``--queries`` / queries sequences).
-
-MQAR evaluation (float64: the trained float32 weights cast, so that prompted and converted logits agree
-to ~1e-12 and no rounding can flip an argmax; linear models in the recurrent form, see ``evaluate``):
-for each number of pairs of ``--pairs``, ``--eval-batch`` held-out sequences (the same for every
-mixer) with ``--eval-queries`` queries right after the pairs; the accuracy over all queries with its
-95 % Wilson interval (queries of one sequence share a prompt, so the interval is somewhat
-optimistic). For each finite-state mixer, the pairs (the prompt) are converted (``iclca.convert``)
-and the converted model reads only the queries: its predictions must be identical to the prompted
-model's, and the script asserts it. Delta-rule against additive mixers
-(delta - linear, gated_delta - gated) are compared on the same queries with a paired bootstrap
-interval (``linicl.stats``).
-
-MQAR's default budget (about 30 minutes on 2 busy CPU cores for all seven mixers) leaves every model
-far from trained at 8 pairs and more (RESULTS.md); ``--steps`` (the pairs stage) is the knob for a
-longer run. The numbers compare mixers under one small, equal budget, not their capacity at
-convergence.
-
-In-context linear regression (``regression``; Garg et al. arXiv 2208.01066; data
-``linicl.data.synthetic.regression_batch`` and ``regression_embeds``): per sequence w ~ N(0, I) and
-pairs x_i ~ N(0, I), y_i = w . x_i (no noise), read as the continuous tokens x_1, y_1, x_2, y_2, ...
-(``[x, 0]`` and ``[0, ..., 0, y]``). The same seven mixers with the same sizes (``model_config``; the
-vocabulary is unused: the model reads ``embeds`` and returns its final hidden state) between an
-experiment-owned read-in ``W_in: d_x + 1 -> d_model`` and read-out ``w_out: d_model -> 1`` (both
-with bias); the prediction of y_i is the read-out at the x_i token.
-
-* training: ``--reg-steps`` Adam steps (the schedule and clipping of MQAR, ``--lr``), each on
-  ``--reg-batch`` fresh tasks of ``--reg-examples`` pairs (d_x ``--reg-dx``); the loss is the squared
-  error at every x-token over d_x (1: the zero predictor), float32. No curriculum (Garg et al. grow
-  d_x and the number of pairs during training). The default 1000 steps take about 12 minutes for all
-  seven mixers on 2 busy CPU cores (measured per mixer at 50 to 1000 steps: 60 to 150 s each, the
-  vector-gated and delta-rule ones the slowest); softmax and gated models come down from the zero
-  predictor's 1.0 to a mean training loss of ~0.4 over the positions, far from trained.
-* evaluation (float64, as MQAR's): ``--reg-eval-batch`` held-out tasks, the same for every mixer and
-  baseline; for each k of ``--reg-k`` the error (prediction - y)^2 / d_x at the (k+1)-th x-token after
-  k pairs, its mean with a 95 % bootstrap interval over the tasks (k = 32 is one pair past the
-  training length). Finite-state mixers: the k pairs, read in, are converted (``iclca.convert(...,
-  embeds=...)``) and the converted model reads only the (k+1)-th x-token; its predictions must equal
-  the prompted ones (max relative difference <= 1e-10, asserted).
-* baselines on the same tasks: least squares (minimum-norm; exact from k = d_x on), the averaging
-  estimator w = mean_i y_i x_i (one gradient step from 0, up to its scale), the zero predictor.
+Regression (Garg et al. arXiv 2208.01066; ``linicl.capacity.regression``): the same mixers and sizes
+between a read-in and a read-out, ``--reg-steps`` steps of ``--reg-batch`` fresh tasks of
+``--reg-examples`` pairs (d_x ``--reg-dx``), no curriculum; about 12 minutes for all seven. Evaluated
+on ``--reg-eval-batch`` held-out tasks: for each k of ``--reg-k`` the error (prediction - y)^2 / d_x at
+the (k+1)-th x (1: the zero predictor) with a 95 % bootstrap interval, prompted and converted
+(relative difference <= 1e-10, asserted), beside least squares, averaging and zero on the same tasks.
 
 Each trained model is checkpointed in ``OUT/checkpoints/<mixer>.ckpt`` (MQAR) or
 ``regression_<mixer>.ckpt`` (``linicl.checkpoint``) with a fingerprint of everything that shapes its
@@ -88,14 +31,12 @@ evaluation options never retrains a regression model; MQAR's ``max_len`` follows
 
 Writes ``OUT/recall_capacity.json`` (settings, every accuracy, count, interval, training curve and
 timing; the regression under ``"regression"``), ``OUT/recall_capacity.png`` (accuracy against pairs,
-one line per mixer, converted as markers; training loss) and ``OUT/recall_capacity_regression.png``
-(error against k, converted as hollow markers, baselines dashed; training loss); the tables are
-printed first, MQAR's then the regression's.
+converted as markers; training loss) and ``OUT/recall_capacity_regression.png`` (error against k,
+baselines dashed; training loss); the tables are printed first, MQAR's then the regression's.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -103,39 +44,24 @@ import time
 from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from linicl import checkpoint, iclca, reporting, stats
+from linicl import checkpoint, reporting, stats, training
+from linicl.capacity import mqar, regression
+from linicl.capacity.mixers import MIXERS, decays, eval_model, init_params as _init, mixer_config, state_label
+from linicl.capacity.mqar import widen  # noqa: F401  (the script's test reaches it here)
+from linicl.capacity.regression import BASELINES  # noqa: F401
 from linicl.compiled import enable_persistent_cache
-from linicl.config import ModelConfig
-from linicl.data.synthetic import RegressionBatch, TokenBatch, mqar_batch, regression_batch, regression_embeds
 from linicl.errors import LiniclError
-from linicl.memory import kv_cache_floats
 from linicl.nn import Transformer
 from linicl.reporting import positive_float, positive_int, positive_int_list
 from linicl.timing import FAST_COMPILE, QUICK_COMPILE
 
-# mixer -> its ModelConfig fields (decays are filled in per model: they depend on n_heads)
-MIXERS = {
-    "softmax": dict(attention="softmax", positions="rope"),
-    "linear": dict(feature_map="elu+1"),
-    "decayed": dict(feature_map="elu+1", decay="spread"),
-    "gated": dict(feature_map="elu+1", gate="scalar"),
-    "gated_vector": dict(feature_map="elu+1", gate="vector"),
-    "delta": dict(feature_map="identity", normalize=False, update="delta"),
-    "gated_delta": dict(feature_map="identity", normalize=False, update="delta", gate="scalar"),
-}
-# delta-rule mixer -> the additive mixer it differs from only by the update rule
-PAIRED = {"delta": "linear", "gated_delta": "gated"}
-CIRCUIT_VOCAB = 16  # the first stage's sub-vocabulary: 8 keys, 8 values
 TRAINING = ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "lr", "circuit_steps", "circuit_batch",
             "vocab_steps", "steps", "train_pairs", "queries", "chunk", "seed")
 # The regression's: the same model sizes (its vocabulary is unused), its own data and steps.
 REG_TRAINING = ("d_model", "n_layers", "n_heads", "d_ff", "lr", "reg_dx", "reg_examples", "reg_steps",
                 "reg_batch", "chunk", "seed")
-REL_TOL = 1e-10  # converted against prompted regression predictions, float64
 
 # Sized for about 30 CPU-minutes (2 cores) for all seven mixers on MQAR, and about 12 more on the
 # regression (module docstring).
@@ -153,17 +79,6 @@ QUICK = dict(vocab=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, lr=3e-3, circ
              reg_dx=2, reg_examples=4, reg_steps=2, reg_batch=8, reg_k=[1, 2, 4], reg_eval_batch=512)
 
 
-class Stage(NamedTuple):
-    """One phase of training: ``steps`` steps. MQAR: tokens from a ``sub_vocab``-token part of the
-    vocabulary, one batch per ``(n_pairs, n_queries, batch)`` of ``sizes`` in every step; regression:
-    ``sub_vocab`` 0 and ``sizes`` the one ``(n_examples, d_x, batch)``."""
-
-    name: str
-    steps: int
-    sub_vocab: int
-    sizes: tuple
-
-
 # ---------------------------------------------------------------------------------------- setup
 def options(quick: bool = False, **changes) -> dict:
     """The run's options: ``FULL`` (or ``QUICK``) with ``changes`` applied."""
@@ -172,110 +87,34 @@ def options(quick: bool = False, **changes) -> dict:
     return opts
 
 
-def decays(n_heads: int) -> tuple:
-    """gamma_h = 1 - 2^-s_h with s_h evenly over [0.4, 6.6]: from an almost-shift head (0.24) to a
-    memory of ~100 tokens (0.99)."""
-    s = np.linspace(0.4, 6.6, n_heads) if n_heads > 1 else np.array([3.0])
-    return tuple(float(g) for g in 1.0 - np.exp2(-s))
+def model_config(opts: dict, mixer: str):
+    """The MQAR model of ``mixer``: long enough for 2n + 2m - 1 tokens with m <= n."""
+    sizes = {k: opts[k] for k in ("d_model", "n_layers", "n_heads", "d_ff")}
+    return mixer_config(mixer, vocab_size=opts["vocab"], max_len=4 * max(opts["pairs"] + opts["train_pairs"]),
+                        **sizes)
 
 
-def model_config(opts: dict, mixer: str) -> ModelConfig:
-    """The mixer's ModelConfig; every mixer has the same sizes. Linear-family models run the chunked
-    form with chunks of 16 (the fastest on a CPU at these lengths; every form computes the same)."""
-    fields = dict(MIXERS[mixer])
-    if fields.get("decay") == "spread":
-        fields["decay"] = decays(opts["n_heads"])
-    if fields.get("attention", "linear") == "linear":
-        fields.update(form="chunked", chunk_size=16)
-    longest = 4 * max(opts["pairs"] + opts["train_pairs"])  # 2n + 2m - 1 tokens with m <= n
-    return ModelConfig(vocab_size=opts["vocab"], d_model=opts["d_model"], n_layers=opts["n_layers"],
-                       n_heads=opts["n_heads"], d_ff=opts["d_ff"], max_len=longest, **fields)
-
-
-def regression_config(opts: dict, mixer: str) -> ModelConfig:
-    """The mixer's config for in-context regression: the MQAR model's sizes; one (unused) token, as
-    the model reads ``embeds`` and returns its hidden state; ``max_len`` the training sequences' (no
+def regression_config(opts: dict, mixer: str):
+    """The regression model: MQAR's sizes, one (unused) token, ``max_len`` the training sequences' (no
     mixer has learned positions: longer evaluation sequences are fine, and ``--reg-k`` never retrains)."""
     return model_config(opts, mixer).replace(vocab_size=1, max_len=2 * opts["reg_examples"])
 
 
 def init_params(opts: dict, mixer: str, key) -> dict:
-    """Initial params; a gated model's gate bias is set so that alpha_h starts at the decayed model's
-    gamma_h (see the module docstring)."""
-    cfg = model_config(opts, mixer)
-    return with_gate_bias(jax.jit(Transformer(cfg).init)(key, jnp.zeros((1, 2), jnp.int32))["params"], cfg)
+    return _init(model_config(opts, mixer), key)
 
 
 def regression_init(opts: dict, mixer: str, key) -> dict:
-    """Initial params ``{"model", "read_in", "read_out"}``: the transformer's (gates as
-    ``init_params``'s), the read-in ``[d_x + 1, d_model]`` and the read-out ``[d_model, 1]`` (lecun
-    normal kernels, zero biases)."""
-    cfg = regression_config(opts, mixer)
-    k_model, k_in, k_out = jax.random.split(key, 3)
-    init = jax.jit(functools.partial(Transformer(cfg).init, hidden=True))
-    params = init(k_model, embeds=jnp.zeros((1, 2, cfg.d_model), jnp.float32))["params"]
-    return dict(model=with_gate_bias(params, cfg), read_in=_dense_init(k_in, opts["reg_dx"] + 1, cfg.d_model),
-                read_out=_dense_init(k_out, cfg.d_model, 1))
-
-
-def _dense_init(key, n_in: int, n_out: int) -> dict:
-    kernel = jax.random.normal(key, (n_in, n_out), jnp.float32) * n_in ** -0.5  # a Python float: stays f32
-    return dict(kernel=kernel, bias=jnp.zeros((n_out,), jnp.float32))
-
-
-def dense(p: dict, x):
-    """``x @ kernel + bias`` (NumPy or JAX)."""
-    return x @ p["kernel"] + p["bias"]
-
-
-def with_gate_bias(params: dict, cfg: ModelConfig) -> dict:
-    """``params`` with every gate bias at logit(gamma_h) (alpha_h = gamma_h at x W = 0); changed in
-    place."""
-    if cfg.gate == "none":
-        return params
-    gamma = np.asarray(decays(cfg.n_heads))
-    logit = np.log(gamma) - np.log1p(-gamma)                          # sigmoid(logit) = gamma
-    for layer in range(cfg.n_layers):
-        gate = params[f"layers_{layer}"]["attn"]["gate_proj"]
-        shape = gate["bias"].shape                                    # [heads] or [heads, d_phi]
-        bias = np.broadcast_to(logit.reshape((-1,) + (1,) * (len(shape) - 1)), shape)
-        gate["bias"] = jnp.asarray(bias.astype(cfg.jnp_dtype))       # numpy: no eager compilation
-    return params
-
-
-def n_queries(n_pairs: int) -> int:
-    """Queries per training sequence of ``n_pairs`` pairs: half of the pairs (more queries per
-    sequence train faster; querying every pair would let the last answers be found by elimination)."""
-    return max(1, n_pairs // 2)
+    return regression.init(regression_config(opts, mixer), opts["reg_dx"], key)
 
 
 def stages(opts: dict) -> list:
-    """The curriculum (module docstring): circuit, vocabulary doublings, pairs."""
-    V = opts["vocab"]
-    two = ((2, 1, opts["circuit_batch"]),)
-    subs = [min(CIRCUIT_VOCAB, V)]
-    while subs[-1] < V:
-        subs.append(min(2 * subs[-1], V))
-    out = [Stage("circuit", opts["circuit_steps"], subs[0], two)]
-    out += [Stage(f"vocab {sub}", opts["vocab_steps"], sub, two) for sub in subs[1:]]
-    sizes = tuple((n, n_queries(n), max(1, opts["queries"] // n_queries(n))) for n in opts["train_pairs"])
-    out.append(Stage("pairs", opts["steps"], V, sizes))
-    return [s for s in out if s.steps > 0]
+    return mqar.curriculum(opts["vocab"], **{k: opts[k] for k in ("circuit_steps", "circuit_batch", "vocab_steps",
+                                                                   "steps", "train_pairs", "queries")})
 
 
 def regression_stages(opts: dict) -> list:
-    """One stage, no curriculum (Garg et al. grow d_x and the length; our models are small and the
-    sequences short): ``--reg-steps`` steps of ``--reg-batch`` fresh tasks of ``--reg-examples`` pairs."""
-    sizes = ((opts["reg_examples"], opts["reg_dx"], opts["reg_batch"]),)
-    return [Stage("regression", opts["reg_steps"], 0, sizes)]
-
-
-def widen(batch: TokenBatch, sub_vocab: int, vocab: int) -> TokenBatch:
-    """An MQAR batch drawn over ``sub_vocab`` tokens, moved into the model's vocabulary: keys stay
-    ``[0, sub_vocab / 2)``, values go to ``[vocab / 2, vocab / 2 + sub_vocab / 2)``."""
-    shift = vocab // 2 - sub_vocab // 2
-    move = lambda x: jnp.where(x < sub_vocab // 2, x, x + shift)  # noqa: E731
-    return TokenBatch(move(batch.inputs), move(batch.targets), batch.mask)
+    return [regression.stage(opts["reg_examples"], opts["reg_dx"], opts["reg_batch"], opts["reg_steps"])]
 
 
 def check_options(opts: dict) -> None:
@@ -299,111 +138,23 @@ def check_options(opts: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------- training
-def masked_metrics(logits, batch: TokenBatch):
-    """Mean cross-entropy and accuracy at the query keys (``batch.mask``)."""
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch.targets)
-    m = batch.mask.astype(jnp.float32)
-    hit = (jnp.argmax(logits, -1) == batch.targets).astype(jnp.float32)
-    return (nll * m).sum() / m.sum(), (hit * m).sum() / m.sum()
-
-
-def make_optimizer(opts: dict, total_steps: int) -> optax.GradientTransformation:
-    warmup = max(1, min(100, total_steps // 10))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, opts["lr"], warmup, max(total_steps, warmup + 1),
-                                                  end_value=opts["lr"] / 10)
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
-
-
-def mqar_loss(opts: dict, model: Transformer, stage: Stage) -> Callable:
-    """``loss_fn(params, key) -> (loss, acc[sizes])``: the mean cross-entropy over ``stage``'s batches
-    (one per size) and each batch's accuracy."""
-
-    def loss_fn(params, key):
-        losses, accs = [], []
-        for i, (n, m, b) in enumerate(stage.sizes):
-            drawn = mqar_batch(jax.random.fold_in(key, i), b, n, m, stage.sub_vocab)
-            batch = widen(drawn, stage.sub_vocab, opts["vocab"])
-            loss, acc = masked_metrics(model.apply({"params": params}, batch.inputs), batch)
-            losses.append(loss)
-            accs.append(acc)
-        return jnp.mean(jnp.stack(losses)), jnp.stack(accs)
-
-    return loss_fn
-
-
-def mqar_record(stage: Stage, acc) -> dict:
-    """A chunk's history entry, MQAR's part: the mean accuracy per training size."""
-    acc = np.asarray(acc).mean(0)
-    return dict(acc={str(n): float(a) for (n, _, _), a in zip(stage.sizes, acc)})
-
-
-def regress(model: Transformer, variables: dict, io: dict, embeds):
-    """Predictions ``f[batch, seq]`` at every token of ``embeds: f[batch, seq, d_x + 1]`` (those at the
-    x-tokens, ``[:, 0::2]``, are the y's): read-in, the model's final hidden state, read-out.
-    ``variables``: the model's, possibly converted; ``io``: params holding ``read_in`` and ``read_out``."""
-    hidden = model.apply(variables, embeds=dense(io["read_in"], embeds), hidden=True)
-    return dense(io["read_out"], hidden)[..., 0]
-
-
-def regression_loss(opts: dict, model: Transformer, stage: Stage) -> Callable:
-    """``loss_fn(params, key) -> (loss, ())``: the squared error at every x-token over d_x (the
-    evaluation's scale: 1 is the zero predictor), on a fresh batch of tasks."""
-    ((n, d_x, batch),) = stage.sizes
-
-    def loss_fn(params, key):
-        data = regression_batch(key, batch, n, d_x)
-        pred = regress(model, {"params": params["model"]}, params, regression_embeds(data.xs, data.ys))
-        return jnp.mean((pred[:, 0::2] - data.ys) ** 2) / d_x, ()
-
-    return loss_fn
-
-
-def make_chunk(loss_fn: Callable, opt, length: int, quick: bool):
-    """jit ``(params, opt_state, key, start) -> (params, opt_state, loss[length], aux[length, ...])``:
-    ``length`` optimiser steps on ``loss_fn(params, key) -> (loss, aux)``; step s draws its data from
-    ``fold_in(key, s)``."""
-
-    def step(carry, s):
-        params, opt_state, key = carry
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, jax.random.fold_in(key, s))
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, key), (loss, aux)
-
-    def chunk(params, opt_state, key, start):
-        steps = start + jnp.arange(length)
-        (params, opt_state, _), (loss, aux) = jax.lax.scan(step, (params, opt_state, key), steps)
-        return params, opt_state, loss, aux
-
-    return jax.jit(chunk, compiler_options=FAST_COMPILE if quick else QUICK_COMPILE)
-
-
 def train(opts: dict, mixer: str, bar=None, task: str = "mqar") -> tuple:
-    """Train one mixer on ``task`` through its stages; ``(params, history)``. ``history``: per chunk
-    the stage, the last step, the mean loss, the task's own record (MQAR: the mean accuracy per
-    training size) and the seconds since the start (compilation included)."""
+    """Train one mixer on ``task`` through its stages; ``(params, history)`` (``training.train_stages``)."""
     t = TASKS[task]
     model = Transformer(t.config(opts, mixer))
     plan = t.plan(opts)
-    opt = make_optimizer(opts, sum(s.steps for s in plan))
     root = jax.random.PRNGKey(opts["seed"])
-    params = t.init(opts, mixer, jax.random.fold_in(root, 0))
-    opt_state = opt.init(params)
-    history, done, fns, t0 = [], 0, {}, time.perf_counter()
-    for index, stage in enumerate(plan):
-        key = jax.random.fold_in(jax.random.fold_in(root, 1), index)
-        for start in range(0, stage.steps, opts["chunk"]):
-            length = min(opts["chunk"], stage.steps - start)
-            shape = (stage.sub_vocab, stage.sizes, length)  # stages of the same data share a compilation
-            if shape not in fns:
-                fns[shape] = make_chunk(t.loss(opts, model, stage), opt, length, opts["quick"])
-            params, opt_state, loss, aux = fns[shape](params, opt_state, key, jnp.int32(start))
-            done += length
-            history.append(dict(stage=stage.name, step=done, loss=float(np.mean(loss)), **t.record(stage, aux),
-                                seconds=time.perf_counter() - t0))
-            if bar is not None:
-                bar.update(length)
-                bar.set_postfix_str(f"{mixer} {stage.name} loss {history[-1]['loss']:.3f}")
-    return params, history
+
+    def on_chunk(stage, length, entry):
+        if bar is not None:
+            bar.update(length)
+            bar.set_postfix_str(f"{mixer} {stage.name} loss {entry['loss']:.3f}")
+
+    return training.train_stages(
+        t.init(opts, mixer, jax.random.fold_in(root, 0)), plan, lambda stage: t.loss(opts, model, stage),
+        training.warmup_cosine_adam(opts["lr"], sum(s.steps for s in plan)), jax.random.fold_in(root, 1),
+        chunk=opts["chunk"], record=t.record, on_chunk=on_chunk,
+        compiler_options=FAST_COMPILE if opts["quick"] else QUICK_COMPILE)
 
 
 def settings(opts: dict, mixer: str, task: str = "mqar") -> dict:
@@ -432,7 +183,7 @@ def trained(opts: dict, mixer: str, out: str, bar=None, task: str = "mqar") -> t
             tree, meta = checkpoint.load(path, {"params": template}, settings=want)
             if bar is not None:
                 bar.update(sum(s.steps for s in t.plan(opts)))
-            return jax.tree.map(jnp.asarray, tree["params"]), meta, True
+            return jax.tree.map(jax.numpy.asarray, tree["params"]), meta, True
         print(f"{path} was trained under other settings; training {mixer} ({task}) again", file=sys.stderr)
     t0 = time.perf_counter()
     params, history = train(opts, mixer, bar, task)
@@ -442,153 +193,26 @@ def trained(opts: dict, mixer: str, out: str, bar=None, task: str = "mqar") -> t
 
 
 # ---------------------------------------------------------------------------------------- evaluation
-def eval_batch(opts: dict, n_pairs: int) -> TokenBatch:
-    """The held-out sequences of ``n_pairs`` pairs: the same for every mixer (and apart from the
-    training keys, which fold in 1)."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(opts["seed"]), 2), n_pairs)
-    return mqar_batch(key, opts["eval_batch"], n_pairs, opts["eval_queries"], opts["vocab"])
-
-
-def prompt_floats(cfg: ModelConfig, n_pairs: int) -> int:
-    """Floats a prompt of ``n_pairs`` pairs leaves: the finite state, or softmax's KV cache."""
-    if cfg.attention == "linear":
-        return iclca.state_floats(cfg)
-    return kv_cache_floats(cfg, 2 * n_pairs)
-
-
-def eval_model(cfg: ModelConfig, params) -> tuple:
-    """``(model, params)`` of the float64 evaluation: ``cfg`` in float64 and the trained weights cast."""
-    cfg = cfg.replace(dtype="float64")
-    if cfg.attention == "linear":
-        # Every form computes the same model. The recurrent one here because with the parallel form
-        # (also the chunked form's short tail) XLA CPU's YNNPACK reduce fusions returned an all-NaN
-        # state in float64 at batch 256 for about 1 compilation in 5 (README, known issues).
-        cfg = cfg.replace(form="recurrent")
-    return Transformer(cfg), jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
-
-
 def evaluate(opts: dict, mixer: str, params) -> list:
-    """One row per number of pairs: counts, accuracies with intervals, prompted and converted; the
-    per-query correctness is kept for the paired comparisons."""
+    """One row per number of pairs of ``--pairs`` (``mqar.evaluate``), float64."""
     model, params = eval_model(model_config(opts, mixer), params)
-    cfg = model.cfg
-    # numpy for everything around the model: eager jnp calls would each compile
-    variables = {"params": params}
     apply = jax.jit(model.apply, compiler_options=FAST_COMPILE)
-    rows = []
-    for n in opts["pairs"]:
-        batch = jax.tree.map(np.asarray, eval_batch(opts, n))
-        cut = 2 * n                                              # the prompt: the pairs
-        logits = np.asarray(apply(variables, batch.inputs))[:, cut:]
-        mask, targets = batch.mask[:, cut:], batch.targets[:, cut:]
-        pred = logits.argmax(-1)
-        hit = (pred == targets)[mask]
-        row = dict(pairs=n, queries=int(hit.size), correct=int(hit.sum()), prompt_floats=prompt_floats(cfg, n),
-                   prompted=_interval(hit), hits=hit.astype(int).tolist())
-        if cfg.attention == "linear":
-            converted = iclca.convert(model, variables, batch.inputs[:, :cut])
-            logits_c = np.asarray(apply(converted, batch.inputs[:, cut:]))
-            pred_c = logits_c.argmax(-1)
-            hit_c = (pred_c == targets)[mask]
-            scale = float(np.abs(logits).max())
-            row.update(converted=_interval(hit_c), correct_converted=int(hit_c.sum()),
-                       identical=bool(np.array_equal(pred_c[mask], pred[mask])),
-                       max_rel_logit_diff=float(np.abs(logits_c - logits).max()) / max(scale, 1e-300))
-            if not row["identical"]:
-                raise AssertionError(f"{mixer}, {n} pairs: the converted model's predictions differ from "
-                                     f"the prompted model's (max relative logit difference "
-                                     f"{row['max_rel_logit_diff']:.3g})")
-        rows.append(row)
-    return rows
+    # numpy for everything around the model: eager jnp calls would each compile
+    held_out = lambda n: jax.tree.map(np.asarray, mqar.held_out(  # noqa: E731
+        opts["seed"], opts["eval_batch"], n, opts["eval_queries"], opts["vocab"]))
+    return [mqar.evaluate(model, apply, {"params": params}, held_out(n), n) for n in opts["pairs"]]
 
 
-def _interval(hit) -> dict:
-    iv = stats.wilson(int(np.sum(hit)), int(np.size(hit)))
-    return dict(acc=iv.value, low=iv.low, high=iv.high)
-
-
-def regression_tasks(opts: dict) -> RegressionBatch:
-    """The held-out tasks (NumPy float64), ``max(--reg-k) + 1`` pairs each: the same for every mixer
-    and baseline (and apart from the training's keys)."""
-    key = jax.random.fold_in(jax.random.PRNGKey(opts["seed"]), 3)
-    drawn = regression_batch(key, opts["reg_eval_batch"], max(opts["reg_k"]) + 1, opts["reg_dx"])
-    return RegressionBatch(*(np.asarray(a, np.float64) for a in drawn))
-
-
-def error_interval(pred, y, d_x: int) -> dict:
-    """The normalised squared error (pred - y)^2 / d_x over the tasks (``pred``, ``y``: ``[tasks]``;
-    d_x = E[y^2]: 1 is the zero predictor): its mean with a 95 % percentile bootstrap interval over
-    the tasks (``stats.paired_bootstrap`` against 0: the bootstrap of the mean)."""
-    err = (np.asarray(pred, np.float64) - y) ** 2 / d_x
-    iv = stats.paired_bootstrap(err, np.zeros_like(err))
-    return dict(mean=iv.value, low=iv.low, high=iv.high)
+def regression_tasks(opts: dict):
+    """The held-out tasks, ``max(--reg-k) + 1`` pairs each: the same for every mixer and baseline."""
+    return regression.held_out(opts["seed"], opts["reg_eval_batch"], max(opts["reg_k"]) + 1, opts["reg_dx"])
 
 
 def evaluate_regression(opts: dict, mixer: str, params) -> list:
-    """One row per k of ``--reg-k``: the error of the prediction at the (k+1)-th x-token after k pairs,
-    prompted (one pass over every pair: the model is causal) and, for a finite-state mixer, from the
-    converted prompt of the k pairs, which must give the same predictions (asserted)."""
+    """One row per k of ``--reg-k`` (``regression.evaluate``), float64."""
     model, params = eval_model(regression_config(opts, mixer), params)
-    data = regression_tasks(opts)
-    embeds = np.asarray(regression_embeds(data.xs, data.ys))           # [tasks, 2 (max k + 1), d_x + 1]
-    apply = jax.jit(functools.partial(regress, model), compiler_options=FAST_COMPILE)
-    variables = {"params": params["model"]}
-    pred = np.asarray(apply(variables, params, embeds))[:, 0::2]       # [tasks, max k + 1]
-    rows, d_x = [], opts["reg_dx"]
-    for k in opts["reg_k"]:
-        y = data.ys[:, k]
-        row = dict(k=k, prompt_floats=prompt_floats(model.cfg, k), prompted=error_interval(pred[:, k], y, d_x))
-        if model.cfg.attention == "linear":
-            pred_c = converted_predictions(model, apply, variables, params, embeds, k)
-            diff = float(np.abs(pred_c - pred[:, k]).max() / max(np.abs(pred[:, k]).max(), 1e-300))
-            row.update(converted=error_interval(pred_c, y, d_x)["mean"], identical=diff <= REL_TOL,
-                       max_rel_diff=diff)
-            if not row["identical"]:
-                raise AssertionError(f"{mixer}, {k} pairs: the converted model's regression predictions differ "
-                                     f"from the prompted model's (max relative difference {diff:.3g})")
-        rows.append(row)
-    return rows
-
-
-def converted_predictions(model: Transformer, apply: Callable, variables: dict, params: dict, embeds, k: int):
-    """``f[tasks]``: the predictions at the (k+1)-th x-token of ``embeds`` by the model holding its first
-    k pairs converted, reading that token alone. The read-in acts token by token: converting its
-    output converts the prompt."""
-    converted = iclca.convert(model, variables, embeds=np.asarray(dense(params["read_in"], embeds[:, :2 * k])))
-    return np.asarray(apply(converted, params, embeds[:, 2 * k:2 * k + 1]))[:, 0]
-
-
-# estimator name -> w from one task's k pairs (x: [k, d_x], y: [k])
-BASELINES = {
-    "least squares": lambda x, y: np.linalg.lstsq(x, y, rcond=None)[0],  # minimum-norm when k < d_x
-    "averaging": lambda x, y: (y[:, None] * x).mean(0),                  # one GD step from 0, up to scale
-    "zero": lambda x, y: np.zeros(x.shape[1]),
-}
-
-
-def regression_baselines(opts: dict) -> dict:
-    """``{estimator: [row per k]}``: the error of each estimator of ``BASELINES`` on the held-out tasks."""
-    data = regression_tasks(opts)
-    out = {name: [] for name in BASELINES}
-    for k in opts["reg_k"]:
-        for name, fit in BASELINES.items():
-            w = np.stack([fit(x, y) for x, y in zip(data.xs[:, :k], data.ys[:, :k])])
-            pred = np.einsum("bd,bd->b", w, data.xs[:, k])
-            out[name].append(dict(k=k, error=error_interval(pred, data.ys[:, k], opts["reg_dx"])))
-    return out
-
-
-def comparisons(results: dict) -> list:
-    """Delta-rule minus additive accuracy on the same queries, with a paired bootstrap interval."""
-    out = []
-    for delta, additive in PAIRED.items():
-        if delta not in results or additive not in results:
-            continue
-        for a, b in zip(results[delta]["eval"], results[additive]["eval"]):
-            iv = stats.paired_bootstrap(a["hits"], b["hits"])
-            out.append(dict(delta=delta, additive=additive, pairs=a["pairs"], diff=iv.value, low=iv.low,
-                            high=iv.high, significant=iv.excludes_zero()))
-    return out
+    apply = jax.jit(lambda *a: regression.regress(model, *a), compiler_options=FAST_COMPILE)
+    return regression.evaluate(model, apply, params, regression_tasks(opts), opts["reg_k"])
 
 
 # ---------------------------------------------------------------------------------------- tasks
@@ -606,9 +230,11 @@ class Task(NamedTuple):
 
 
 TASKS = {
-    "mqar": Task("", model_config, init_params, stages, mqar_loss, mqar_record, TRAINING, evaluate),
-    "regression": Task("regression_", regression_config, regression_init, regression_stages, regression_loss,
-                       lambda stage, aux: {}, REG_TRAINING, evaluate_regression),
+    "mqar": Task("", model_config, init_params, stages, lambda o, model, s: mqar.loss_fn(model, s, o["vocab"]),
+                 mqar.record, TRAINING, evaluate),
+    "regression": Task("regression_", regression_config, regression_init, regression_stages,
+                       lambda o, model, s: regression.loss_fn(model, s), lambda stage, aux: {}, REG_TRAINING,
+                       evaluate_regression),
 }
 
 
@@ -753,10 +379,6 @@ FIGURES = (("results", "recall_capacity.png", figure),
            ("regression", "recall_capacity_regression.png", regression_figure))
 
 
-def state_label(cfg: ModelConfig) -> str:
-    return f"state {iclca.state_floats(cfg)}" if cfg.attention == "linear" else "KV cache"
-
-
 def run(opts: dict, out: str, progress: bool = True, task: str = "mqar") -> dict:
     """Train (or load) and evaluate every mixer on ``task``; ``{mixer: its results}``."""
     from tqdm.auto import tqdm
@@ -783,7 +405,7 @@ def regression_report(opts: dict, out: str, progress: bool) -> dict:
     results = run(opts, out, progress, task="regression")
     config = dict({k: opts[k] for k in REG_TRAINING + ("reg_k", "reg_eval_batch")},
                   stages=[s._asdict() for s in regression_stages(opts)])
-    reg = dict(config=config, results=results, baselines=regression_baselines(opts))
+    reg = dict(config=config, results=results, baselines=regression.baselines(regression_tasks(opts), opts["reg_k"]))
     return dict(reg, table=regression_table(reg), wall_s=time.perf_counter() - t0)
 
 
@@ -852,7 +474,7 @@ def main(argv=None) -> int:
     report = dict(config=config, machine=reporting.machine_info())
     if "mqar" in opts["tasks"]:
         results = run(opts, args.out, progress=args.progress)
-        report.update(results=results, comparisons=comparisons(results))
+        report.update(results=results, comparisons=mqar.compare(results))
     if "regression" in opts["tasks"]:
         report["regression"] = regression_report(opts, args.out, args.progress)
     report.update(table=headline(report), wall_s=time.perf_counter() - t0)

@@ -27,9 +27,10 @@ from linicl.nn import Transformer
 __version__ = "0.1.0"
 
 # Public submodules, loaded on first attribute access.
-SUBMODULES = ("activations", "batching", "checkpoint", "cli", "compiled", "config", "data", "diagnostics",
-              "errors", "evaluate", "generation", "iclca", "implicit", "interventions", "kernels", "linearize", "lm",
-              "memory", "metrics", "names", "nn", "parallel", "reporting", "routing", "stats", "timing", "verify")
+SUBMODULES = ("activations", "batching", "capacity", "checkpoint", "cli", "compiled", "config", "data",
+              "diagnostics", "errors", "evaluate", "fidelity", "generation", "iclca", "implicit",
+              "interventions", "kernels", "linearize", "lm", "memory", "metrics", "names", "nn", "parallel",
+              "precision", "recovery", "reporting", "routing", "stats", "timing", "training", "verify")
 
 
 def __getattr__(name: str):

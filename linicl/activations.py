@@ -69,7 +69,11 @@ def collect_activations(model, variables: Mapping, prompts, names: Sequence[str]
         ``hook_pattern``/``hook_attn_scores``, whose key axis is cut (or zero-padded) to the longest
         prompt; ``"mean"``: the mean over each prompt's real tokens; or a function
         ``fn(act, name, tokens, lengths) -> [b, ...]`` (traced, on the padded batch).
-      batch_size, bucket, edits, extras, mesh: as in ``linicl.evaluate``.
+      batch_size: as in ``linicl.evaluate``.
+      bucket: as in ``linicl.evaluate``.
+      edits: as in ``linicl.evaluate``.
+      extras: as in ``linicl.evaluate``.
+      mesh: as in ``linicl.evaluate``.
     """
     cfg = config_of(model)
     names = tuple(full_name(n) for n in names)
@@ -104,4 +108,61 @@ def _fit_last_axis(a: np.ndarray, size: int) -> np.ndarray:
     return np.concatenate([a, np.zeros(a.shape[:-1] + (size - a.shape[-1],), a.dtype)], axis=-1)
 
 
-__all__ = ["collect_activations"]
+__all__ = ["collect_activations", "logprobs_and_window"]
+
+
+def _window_fn(model, names: tuple, width: int):
+    cfg = config_of(model)
+
+    def run(variables, tokens, lengths, start):
+        h, acts = capture(model, variables, tokens, names=list(names), hidden=True)
+        logits = batching.unembed(cfg, variables["params"], batching.last_positions(h, lengths))
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        z = jnp.stack([acts[n] for n in names])  # [sites, B, T, ...]
+        z = jax.lax.dynamic_slice_in_dim(z, start, width, axis=2)
+        return lp, z.reshape(z.shape[:3] + (-1,)).astype(jnp.float32)
+    return compiled.get(("activations.window", model, names, width), lambda: jax.jit(run))
+
+
+def logprobs_and_window(model, variables: Mapping, rows: Sequence, names: Sequence[str], start: int, width: int, *,
+                        batch_size: int = 16, bucket: Union[int, str] = "geometric") -> tuple:
+    """Next-token log-probabilities at each row's last token and the named sites' activations at a
+    window of positions, for token rows in their order (one device; no sorting, so a row's outputs
+    are where it was).
+
+    Args:
+      model, variables: the model (possibly holding a converted prompt).
+      rows: token rows, 1-D ``int32[n_i]``, each with ``n_i >= 1``.
+      names: sites (``linicl.names``), e.g. ``block_site(l, "hook_z")`` for every layer ``l``.
+      start, width: the window, positions ``start .. start + width - 1``, the same in every row
+        (positions past a row's end hold padding's activations: mask them by the row's length).
+      batch_size: rows per compiled call (the last batch padded with copies of a row, dropped).
+      bucket: ``batching.bucket_length``'s rule for the padded length.
+    Returns:
+      ``(lp f32[N, vocab], z f32[sites, N, width, features])``, every site's trailing axes flattened
+      (``hook_z``: heads times d_head).
+    Raises:
+      LiniclError: the bucket cannot hold the window, or non-finite log-probabilities.
+    """
+    if len(rows) == 0:
+        raise LiniclError("rows: no token rows")
+    cfg = config_of(model)
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    T = batching.bucket_length(max(int(lengths.max()), start + width), bucket,
+                               cfg.max_len if cfg.positions == "learned" else None)
+    if T < start + width:
+        raise LiniclError(f"rows of {T} positions cannot hold start {start} + width {width}")
+    tokens = batching.pad_tokens(rows, T)
+    fn = _window_fn(model, tuple(names), width)
+    lps, zs = [], []
+    B = min(batch_size, len(rows))
+    for i in range(0, len(rows), B):
+        t, le = batching.pad_rows(tokens[i:i + B], B), batching.pad_rows(lengths[i:i + B], B)
+        lp, z = fn(variables, jnp.asarray(t), jnp.asarray(le), jnp.asarray(start, jnp.int32))
+        m = min(B, len(rows) - i)
+        lps.append(np.asarray(lp)[:m])
+        zs.append(np.asarray(z)[:, :m])
+    lp, z = np.concatenate(lps), np.concatenate(zs, axis=1)
+    if not np.all(np.isfinite(lp)):
+        raise LiniclError("non-finite log-probabilities")
+    return lp, z

@@ -10,8 +10,8 @@ from linicl.data.datasets import (AGNEWS_LABEL_WORDS, CB_LABEL_WORDS, CB_LABEL_W
                                   resolve_data_dir)
 from linicl.data.prompts import (BOS, DEMO_INPUT, DEMO_LABEL, INSTRUCTION, PAD, QUERY, SEPARATOR, TEMPLATES,
                                  Prompt, PromptBatch, Role, Template, TextEncoder, batch_prompts,
-                                 build_eval_set, build_prompt, check_label_words, sample_demos, template_for,
-                                 tokenization_mismatch, wrong_labels)
+                                 build_eval_set, build_prompt, check_label_words, fit_queries, sample_demos,
+                                 shared_context, template_for, tokenization_mismatch, wrong_labels)
 from linicl.data.specs import FileSpec, TaskSpec, all_specs, find_spec, read_spec
 
 __all__ = ["DataError", "Example", "Task", "list_tasks", "load_task", "resolve_data_dir", "locate_data_dir",
@@ -22,4 +22,4 @@ __all__ = ["DataError", "Example", "Task", "list_tasks", "load_task", "resolve_d
            "Role", "PAD", "BOS", "INSTRUCTION", "SEPARATOR", "DEMO_INPUT", "DEMO_LABEL", "QUERY",
            "Template", "TEMPLATES", "template_for", "TextEncoder", "Prompt", "PromptBatch", "sample_demos", "wrong_labels",
            "build_prompt", "tokenization_mismatch", "check_label_words", "batch_prompts",
-           "build_eval_set"]
+           "build_eval_set", "shared_context", "fit_queries"]

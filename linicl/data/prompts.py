@@ -480,3 +480,44 @@ def build_eval_set(task: Task, tokenizer: TextEncoder, *, k: int, seed: int = 0,
         out.append(build_prompt(template, demos, task.test[qi], tokenizer, add_bos=add_bos,
                                 tokenization=tokenization))
     return out
+
+
+def shared_context(prompts: Sequence[Prompt]) -> tuple[int, np.ndarray, list]:
+    """Prompts that share one demonstration context (``build_eval_set(..., same_demos=True)``) split
+    into it and their queries: ``(n, context int32[n], [query int32[m_i]])`` with ``n`` the shared
+    ``query_start``. Raises LiniclError when the prompts do not share their first ``n`` tokens."""
+    if not prompts:
+        raise LiniclError("shared_context: no prompts")
+    n = prompts[0].query_start
+    ctx = prompts[0].tokens[:n]
+    for p in prompts:
+        if p.query_start != n or not np.array_equal(p.tokens[:n], ctx):
+            raise LiniclError("the prompts do not share one demonstration context")
+    return n, ctx, [p.tokens[n:] for p in prompts]
+
+
+def fit_queries(task: Task, tokenizer: TextEncoder, template: Template, exclude, m: int, target_len: int,
+                seed: int) -> np.ndarray | None:
+    """``int32[m', L]``: up to ``m`` query token rows (the query part of a zero-shot prompt) from the
+    task's demo pool ``task.train`` (never the test split), none of the examples in ``exclude`` (a
+    prompt's demos), all of one length L so that a fit on them sees no padding: the length with at
+    least ``m`` candidates closest to ``target_len`` (the shorter on a tie), else the most frequent
+    length (fewer rows). Candidates: up to max(400, 40 m) examples in a seeded random order. None when
+    no candidate is left. (The inputs of ``iclca.convert_approx(..., fit_inputs=)``.)"""
+    if m < 1:
+        raise LiniclError(f"fit_queries: m must be >= 1, got {m}")
+    rng = np.random.default_rng([seed, 11])
+    by_len: dict = {}
+    for i in rng.permutation(len(task.train))[:max(400, 40 * m)]:
+        ex = task.train[i]
+        if ex in exclude:
+            continue
+        p = build_prompt(template, (), ex, tokenizer, add_bos=False)
+        row = p.tokens[p.query_start:]
+        by_len.setdefault(len(row), []).append(row)
+    if not by_len:
+        return None
+    full = [L for L, rows in by_len.items() if len(rows) >= m]
+    L = (min(full, key=lambda x: (abs(x - target_len), x)) if full
+         else max(by_len, key=lambda x: (len(by_len[x]), -x)))
+    return np.stack(by_len[L][:m]).astype(np.int32)

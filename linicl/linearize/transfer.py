@@ -22,7 +22,7 @@ the same parameters as an uninterrupted one (batches are a function of the seed 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +35,9 @@ from linicl import compiled
 from linicl.errors import LiniclError
 from linicl.interventions import capture
 from linicl.linearize.student import merge, split, trained_layers
-from linicl.names import DTYPES, INTERMEDIATES, PARAMS, block_site, layer_scope
+from linicl.names import INTERMEDIATES, PARAMS, block_site, layer_scope
 from linicl.nn.block import Block
+from linicl.precision import in_compute_dtype  # noqa: F401  (re-exported: linearize.distill)
 from linicl.parallel import data_size, device_mesh, place, place_like, shard_batch, step_shardings
 
 
@@ -83,21 +84,6 @@ def layer_losses(cfg, params, X, A):
         t = A[i].astype(jnp.float32)
         out.append(jnp.mean((s - t) ** 2) / jnp.mean(t ** 2))
     return jnp.stack(out)
-
-
-def in_compute_dtype(student, compute_dtype: Optional[str]):
-    """``(model, cast)``: the student as it runs each step, and the cast of its float weights to that
-    model's dtype (the identity without ``compute_dtype``: the student's own dtype)."""
-    if compute_dtype is None:
-        return student, lambda p: p
-    if compute_dtype not in DTYPES:
-        raise LiniclError(f"compute_dtype must be None or one of {DTYPES}, got {compute_dtype!r}")
-    model = student.clone(cfg=student.cfg.replace(dtype=compute_dtype))
-    dt = jnp.dtype(compute_dtype)
-
-    def cast(params):
-        return jax.tree_util.tree_map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
-    return model, cast
 
 
 def _step_fn(student, tx, out_shardings=None, compute_dtype=None):

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from linicl.data import (BOS, DEMO_INPUT, DEMO_LABEL, INSTRUCTION, PAD, QUERY, SEPARATOR, TEMPLATES, Example,
                          Role, Task, Template, batch_prompts, build_eval_set, build_prompt, check_label_words,
-                         load_task, sample_demos, template_for, tokenization_mismatch)
+                         fit_queries, load_task, sample_demos, shared_context, template_for,
+                         tokenization_mismatch)
 from linicl.errors import LiniclError
 from test_data import shared_dir  # noqa: F401  (a fixture: the full data sets, else the committed sample)
 
@@ -367,3 +368,30 @@ def test_a_multi_task_prompt_writes_each_demo_in_its_own_template():
                                      demo_templates=[TEMPLATES["sst2"]] * 2).text
     with pytest.raises(LiniclError, match="one template per demonstration"):
         build_prompt(TEMPLATES["sst2"], demos, query, tok, demo_templates=[TEMPLATES["sst2"]])
+
+
+def test_shared_context_splits_same_demo_prompts():
+    tok, task = CharTokenizer(), make_task(n_test=6)
+    shared = build_eval_set(task, tok, k=3, seed=5, n_eval=4, same_demos=True)
+    n, ctx, queries = shared_context(shared)
+    assert n == shared[0].query_start and np.array_equal(ctx, shared[0].tokens[:n])
+    assert all(np.array_equal(np.concatenate([ctx, q]), p.tokens) for q, p in zip(queries, shared))
+    with pytest.raises(LiniclError, match="do not share one demonstration context"):
+        shared_context(build_eval_set(task, tok, k=3, seed=5, n_eval=4))
+    with pytest.raises(LiniclError, match="no prompts"):
+        shared_context([])
+
+
+def test_fit_queries_one_length_from_the_demo_pool():
+    tok, task = CharTokenizer(), make_task()
+    template = template_for(task)
+    rows = fit_queries(task, tok, template, set(task.train[:2]), 3, 10, seed=0)
+    assert rows.dtype == np.int32 and rows.ndim == 2 and len(rows) <= 3
+    pool = {tuple(build_prompt(template, (), e, tok, add_bos=False).tokens[
+        build_prompt(template, (), e, tok, add_bos=False).query_start:]) for e in task.train[2:]}
+    assert all(tuple(r) in pool for r in rows)                           # never an excluded demo
+    assert np.array_equal(fit_queries(task, tok, template, set(), 3, 10, seed=0),
+                          fit_queries(task, tok, template, set(), 3, 10, seed=0))
+    assert fit_queries(task, tok, template, set(task.train), 3, 10, seed=0) is None
+    with pytest.raises(LiniclError, match="m must be"):
+        fit_queries(task, tok, template, set(), 0, 10, seed=0)

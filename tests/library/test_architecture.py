@@ -22,13 +22,13 @@ ROOT = pathlib.Path(linicl.__file__).parent
 RANKS = {
     "errors": 0, "names": 0,
     "_validate": 1, "metrics": 1, "timing": 1, "compiled": 1, "parallel": 1, "checkpoint": 1, "reporting": 1,
-    "stats": 1,
+    "stats": 1, "precision": 1,
     "kernels": 1,
     "config": 2,  # ModelConfig.feature_dim asks the kernels
     "nn": 3,
     "data": 4, "lm": 4, "interventions": 4, "generation": 4,
-    "batching": 5, "activations": 5, "evaluate": 5, "memory": 5,
-    "iclca": 6, "implicit": 6, "routing": 6, "diagnostics": 6, "linearize": 6,
+    "batching": 5, "activations": 5, "evaluate": 5, "memory": 5, "training": 5, "fidelity": 5, "recovery": 5,
+    "iclca": 6, "implicit": 6, "routing": 6, "diagnostics": 6, "linearize": 6, "capacity": 6,
     "verify": 7, "cli": 8,
 }
 
