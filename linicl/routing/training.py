@@ -28,6 +28,7 @@ from linicl import checkpoint as ckpt
 from linicl.errors import DataError, LiniclError
 from linicl.names import ICR_TARGETS
 from linicl.parallel import data_size, device_mesh, place, replicate, shard_batch
+from linicl.precision import in_compute_dtype
 from linicl.routing.pids import PIDs
 from linicl.routing.router import entry_residuals, make_router, routed_logits
 
@@ -151,25 +152,27 @@ def alpha_schedule(progress: float, start: float = 1.0, end: float = 0.8) -> flo
     return end + (start - end) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
 
 
-def _resume(path, params, opt, total: int):
+def _resume(path, params, opt, total: int, compute_dtype: Optional[str] = None):
     """``(step, params, opt, history)`` from a training checkpoint of a ``total``-step run."""
     stored = ckpt.header(path).settings
     if stored.get("trainer") == _TRAINER and stored.get("total_steps") != total:
         raise DataError(f"{path} is a checkpoint of a {stored.get('total_steps')}-step run, this run has "
                         f"{total} steps (other data, epochs or batch size); delete it to start afresh")
-    state, meta = ckpt.load(path, {"params": params, "opt": opt}, settings=_checkpoint_settings(total))
+    state, meta = ckpt.load(path, {"params": params, "opt": opt},
+                            settings=_checkpoint_settings(total, compute_dtype))
     return int(meta["step"]), state["params"], state["opt"], list(meta["history"])
 
 
-def _checkpoint_settings(total: int) -> dict:
-    return {"trainer": _TRAINER, "total_steps": total}
+def _checkpoint_settings(total: int, compute_dtype: Optional[str] = None) -> dict:
+    extra = {} if compute_dtype is None else {"compute_dtype": compute_dtype}  # older checkpoints stay valid
+    return {"trainer": _TRAINER, "total_steps": total, **extra}
 
 
 def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: int = 2, batch_size: int = 8,
                  lr: float = 1e-3, weight_decay: float = 1e-2, clip: float = 1.0, hidden: int = 256,
                  weights: LossWeights = LossWeights(), target: str = "vocab", seed: int = 0,
                  progress: bool = True, log_every: int = 10, checkpoint=None, checkpoint_every: int = 50,
-                 mesh=None):
+                 mesh=None, compute_dtype: Optional[str] = None):
     """Train only the router (the LM's variables are constants of the loss). Returns ``(router,
     params, history)``: the router reads alpha at the schedule's last scale (``Router.alpha_scale``);
     the history holds the loss terms and the bias size per routed layer every ``log_every`` steps.
@@ -186,8 +189,13 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
 
     ``mesh`` (``linicl.parallel``): the LM's variables are placed on it (replicated, or sharded on a mesh
     with a ``"model"`` axis) and each batch is split over its ``"data"`` axis (``batch_size`` must divide
-    by the data size); the router's few parameters stay whole on every device."""
+    by the data size); the router's few parameters stay whole on every device.
+
+    ``compute_dtype`` (e.g. ``"bfloat16"``, ``linicl.precision``): the routed layers run in it (the LM's
+    variables and the cached residuals cast once), the router's parameters and AdamW's state stay in
+    float32 and the loss is computed in float32. Its checkpoints are not those of a run without it."""
     from tqdm.auto import tqdm
+    model, cast = in_compute_dtype(model, compute_dtype)  # refuses a bad dtype before any work
     if target not in ICR_TARGETS:
         raise LiniclError(f"target must be one of {ICR_TARGETS}, got {target!r}")
     if target == "labels" and data.candidates is None:
@@ -202,12 +210,12 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
     history: list = []
     start = 0
     if checkpoint is not None and ckpt.exists(checkpoint):
-        start, params, opt, history = _resume(checkpoint, params, opt, total)
+        start, params, opt, history = _resume(checkpoint, params, opt, total, compute_dtype)
 
     mesh = device_mesh() if mesh is None else mesh
     if batch_size % data_size(mesh):
         raise LiniclError(f"batch_size ({batch_size}) must divide by the mesh's {data_size(mesh)} data shards")
-    variables, (params, opt) = place(variables, mesh), replicate((params, opt), mesh)
+    variables, (params, opt) = place(cast(variables), mesh), replicate((params, opt), mesh)
     bias = replicate(pids.routing_bias(), mesh)
     static = dict(model=model, router=router, weights=weights, target=target, hyper=hyper)
     rng = np.random.default_rng(seed)
@@ -222,7 +230,7 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
             # Cut the batch to its longest query, rounded up to a power of two >= 32 (few shapes to
             # compile): the causal routed blocks give the same logits at the real tokens.
             width = min(data.h0.shape[1], max(32, 1 << (int(data.lengths[idx].max()) - 1).bit_length()))
-            batch = (jnp.asarray(data.h0[idx, :width]), jnp.asarray(data.lengths[idx]), jnp.asarray(data.y[idx]),
+            batch = (cast(jnp.asarray(data.h0[idx, :width])), jnp.asarray(data.lengths[idx]), jnp.asarray(data.y[idx]),
                      jnp.asarray(data.H_zs[idx]))
             batch += (jnp.asarray(data.candidates[idx]) if target == "labels" else None,
                       None if data.e is None else jnp.asarray(data.e[idx]))
@@ -235,7 +243,8 @@ def train_router(model, variables, pids: PIDs, data: TrainingData, *, epochs: in
                 bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
             bar.update(1)
             if checkpoint is not None and ((t + 1) % checkpoint_every == 0 or t == total - 1):
-                ckpt.save(checkpoint, {"params": params, "opt": opt}, settings=_checkpoint_settings(total),
+                ckpt.save(checkpoint, {"params": params, "opt": opt},
+                          settings=_checkpoint_settings(total, compute_dtype),
                           meta={"step": t + 1, "history": history})
     bar.close()
     return router.clone(alpha_scale=alpha_schedule(1.0)), params, history
