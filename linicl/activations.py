@@ -131,11 +131,13 @@ def logprobs_and_window(model, variables: Mapping, rows: Sequence, names: Sequen
     are where it was).
 
     Args:
-      model, variables: the model (possibly holding a converted prompt).
+      model: the zoo model.
+      variables: its variables (possibly holding a converted prompt).
       rows: token rows, 1-D ``int32[n_i]``, each with ``n_i >= 1``.
       names: sites (``linicl.names``), e.g. ``block_site(l, "hook_z")`` for every layer ``l``.
-      start, width: the window, positions ``start .. start + width - 1``, the same in every row
-        (positions past a row's end hold padding's activations: mask them by the row's length).
+      start: the window's first position, the same in every row.
+      width: the window's length: positions ``start .. start + width - 1`` (positions past a row's end
+        hold padding's activations: mask them by the row's length).
       batch_size: rows per compiled call (the last batch padded with copies of a row, dropped).
       bucket: ``batching.bucket_length``'s rule for the padded length.
     Returns:

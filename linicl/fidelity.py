@@ -42,7 +42,8 @@ def method_scores(lp, z, ref: Optional[dict], gold_ids, label_ids, kl_ids, lengt
     """One method's scores on N queries.
 
     Args:
-      lp, z: the method's log-probabilities ``f[N, vocab]`` and activations ``f[layers, N, width, d]``.
+      lp: the method's log-probabilities ``f[N, vocab]``.
+      z: the method's activations ``f[layers, N, width, d]``.
       ref: None (the method is the reference), or the reference's ``dict(lp, z, pred)`` (``pred``:
         its ``predict``).
       gold_ids: ``int[N]``, the correct token per query.
@@ -108,14 +109,18 @@ def copy_test(model, variables, methods: Mapping[str, tuple], *, prompt_len: int
     ||l_ref||, KL(prompted || method), argmax agreement, copy accuracy and the copy NLL.
 
     Args:
-      model, variables: the model and its plain variables.
+      model: the zoo model.
+      variables: its plain variables (no prompt stored).
       methods: ``{name: (convert, per_prompt)}`` with ``convert(prompts int32[b, P], fit_inputs) ->
         variables`` holding the prompts (row i serving input row i). ``per_prompt``: converted one prompt
         at a time with ``fit_inputs`` ``int32[w, m]``, the prompt's later windows ``r[j:j + m]`` (j = m,
         2m, ... <= P - m; None when there are none), e.g. for a least-squares fit; else a batch at a
         time with ``fit_inputs=None``. A method whose ``convert`` raises ``LiniclError`` is skipped
         (recorded once).
-      prompt_len, input_len, pairs, low: P, m, the number of pairs and the lowest token.
+      prompt_len: P, the prompt's length.
+      input_len: m, the input's length.
+      pairs: the number of prompt/input pairs.
+      low: the lowest token drawn (tokens below it, e.g. special ones, are left out).
       batch: pairs per forward pass (the last batch padded with copies, dropped).
       seed: the pairs come from ``numpy.random.default_rng([seed, 21])``.
     Returns:

@@ -412,7 +412,8 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     ``sliding_window - 1`` keys and values), as ``iclca.convert`` stores it.
 
     Args:
-      model, variables: a ``linicl.Transformer`` and its variables (with no prompt stored yet).
+      model: a ``linicl.Transformer``.
+      variables: its variables (with no prompt stored yet).
       prompt: ``int32[batch or 1, n]``.
       kernel: ``"taylor2"`` (default), ``"prf"`` (``n_features`` positive random features drawn from
         ``seed``), ``"elu+1"``, or ``"learned"`` (a linearized student's trained maps, ``maps``).

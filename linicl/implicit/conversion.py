@@ -135,11 +135,13 @@ def convert(model, variables, context, query, *, position: Optional[int] = None)
         model.apply(patched, query[None])[0, -1] == model.apply(variables, concat([context, query])[None])[0, -1]
 
     Args:
-      model, variables: a ``linicl.Transformer`` (softmax or linear attention, any norm, block form,
-        positions option) and its variables (no stored prompt state; a learned-positions offset, the
+      model: a ``linicl.Transformer`` (softmax or linear attention, any norm, block form,
+        positions option).
+      variables: its variables (no stored prompt state; a learned-positions offset, the
         ``position`` collection, is kept: the query alone sits at it).
       context: ``int32[n]`` token ids or ``float[n, d_model]`` embeddings (unbatched; ``vmap`` for
-        many). query: ``int32[1]`` or ``float[1, d_model]``.
+        many).
+      query: ``int32[1]`` or ``float[1, d_model]``.
       position: the position i of [context; query] whose with-context output the patched model gives
         for the query alone (default: the last, the papers' case). Any i works: block 0 maps the query
         to token i's representation, blocks above use token i's own inputs as reference.
