@@ -138,7 +138,7 @@ EXPERIMENTS = {
                   "their figures are qualitative."),
     "linearize": dict(
         title="Linearized SmolLM2: attention transfer, held-out loss, ICL with the prompt as weights",
-        # the evaluation of the shipped maps (their training: `python experiments/linearize.py`, README)
+        # the evaluation of the shipped maps (their training: `python experiments/linearize.py`, docs/guides/linearization.md)
         cmd=["experiments/linearize.py", "--resume"], quick=["--quick"],
         full=["--maps", "linicl/linearize/artifacts/smollm2_maps.safetensors"],
         json="linearize.json", plots=["linearize.png"],
