@@ -3,16 +3,19 @@
 
 The caption says "the model with bias terms shows improved training speed and higher in-context
 accuracy", with no sizes. One reconstruction cannot say whether the claim fails or the setting does, so
-this runs a grid (24 settings by default):
+this runs a grid (24 induction settings and 4 of a task with shared facts by default):
 
 * feature map: elu+1 (the paper's) / hedgehog (learned, positive);
 * positions: none / learned / decay (per-head decays 0.8, 0.9, 0.95, 0.99, no positions);
 * size: small (vocabulary 16, sequence 32, d_model 64) / large (vocabulary 256, sequence 128, d_model 128);
 * learning rate: 1e-3 / 3e-3;
 
-each with the arms baseline, bias (b free), bias_nonneg (b >= 0) and bias_B_only (b = 0), 2 layers,
-1,000 steps of batch 16 and seeds 0, 1, 2 (``--steps``, ``--seeds``; the other options as
-bias_training's defaults, induction task).
+plus the ``facts`` task (16 keys a sequence from a fixed table of 32 facts shared by every sequence,
+vocabulary 64, d_model 64: a persistent state has something to store) for each feature map with learned
+or decay positions. Every setting runs the arms baseline, bias (b free), bias_nonneg (b >= 0),
+bias_B_only (b = 0) and bias_warm (b >= 0, started from a converted demonstration instead of zero:
+``iclca.to_trainable``), 2 layers, 1,000 steps of batch 16 and seeds 0, 1, 2 (``--steps``, ``--seeds``;
+the other options as bias_training's defaults).
 
 **Verdict.** For each bias arm and threshold (50 % and 90 % held-out in-context accuracy): the steps
 the arm needs minus the baseline's, paired over seeds, with a Student-t 95 % interval
@@ -45,7 +48,7 @@ from linicl.reporting import positive_int
 from linicl.stats import paired_t
 
 SCRIPT = Path(__file__).resolve().parent / "bias_training.py"
-BIAS_ARMS = ("bias", "bias_nonneg", "bias_B_only")
+BIAS_ARMS = ("bias", "bias_nonneg", "bias_B_only", "bias_warm")
 THRESHOLDS = ("0.5", "0.9")
 DECAYS = "0.8,0.9,0.95,0.99"
 SIZES = {"small": dict(vocab=16, seq_len=32, d_model=64, d_ff=64),
@@ -64,6 +67,10 @@ def settings(quick: bool) -> dict:
         for name, value in SIZES[size].items():
             args += ["--" + name.replace("_", "-"), str(value)]
         grid[f"{fm}-{pos}-{size}-lr{lr}"] = args
+    for fm, pos in itertools.product(("elu+1", "hedgehog"), ("learned", "decay")):
+        args = ["--task", "facts", "--n-facts", "32", "--n-pairs", "16", "--vocab", "64", "--d-model", "64",
+                "--d-ff", "64", "--feature-map", fm, "--positions", "none" if pos == "decay" else pos]
+        grid[f"facts-{fm}-{pos}"] = args + (["--decay", DECAYS] if pos == "decay" else [])
     return grid
 
 
@@ -160,7 +167,7 @@ def figure(plt, report: dict):
     keys = list(report["results"])
     fig, ax = plt.subplots(figsize=(10, 0.32 * len(keys) * len(BIAS_ARMS) + 1.5))
     y = 0
-    colors = dict(bias="tab:red", bias_nonneg="tab:green", bias_B_only="tab:purple")
+    colors = dict(bias="tab:red", bias_nonneg="tab:green", bias_B_only="tab:purple", bias_warm="tab:orange")
     ticks = []
     for key in keys:
         for arm, v in report["results"][key]["verdict"].items():

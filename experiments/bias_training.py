@@ -10,7 +10,10 @@ Arms (``--arms``), the same model except for ``ModelConfig.trainable_bias``:
   iclca.md section 8 asks for b >= 0, e.g. softplus, so that denominators stay positive). It still
   starts at zero, so it starts from the baseline's function;
 * **bias_B_only**: only ``S_bias`` (the paper's B) is trained; ``z_bias`` is held at zero after every
-  update, so the normalisers are the baseline's and the bias acts on the numerator alone.
+  update, so the normalisers are the baseline's and the bias acts on the numerator alone;
+* **bias_warm**: as bias_nonneg, but (B, b) start from a converted demonstration instead of zero
+  (``iclca.convert`` then ``iclca.to_trainable``, per seed on the shared initial weights): for ``facts``
+  the whole table written out (``k f(k)`` for every fact), otherwise one sequence of the task (its inputs).
 
 All arms start from the same shared parameters (the bias model is initialised and its shared
 parameters are copied into the baseline), see the same batches in the same order (batch ``s`` of seed
@@ -22,8 +25,10 @@ half), and the attention denominators phi(q_t).z_t (bias included, the model's `
 whose minimum says whether ``z_bias`` ever drives a normaliser to zero or below; the denominators are
 also checked on every training batch.
 
-Task (``linicl.data.synthetic``): ``induction`` (T/2 random tokens then the same again; default) or
-``recall`` (key-value pairs then a query key).
+Task (``linicl.data.synthetic``): ``induction`` (T/2 random tokens then the same again; default),
+``recall`` (key-value pairs then a query key) or ``facts`` (``--n-pairs`` keys from a fixed table of
+``--n-facts`` facts shared by every sequence, each followed by its value: what persists across
+sequences, weights or a trained initial state, is what can answer).
 
 Writes ``OUT/bias_training.json`` (the config, every curve per arm and seed, final metrics,
 steps-to-threshold, wall times) and ``OUT/bias_training.png`` (mean over seeds, shaded min-max).
@@ -51,9 +56,9 @@ from linicl.compiled import enable_persistent_cache
 from linicl import checkpoint, diagnostics, reporting
 from linicl.reporting import nonnegative_float, nonnegative_int, positive_float, positive_int
 from linicl.config import ModelConfig
-from linicl.data.synthetic import induction_batch, recall_batch
+from linicl.data.synthetic import facts_batch, facts_table, induction_batch, recall_batch
 from linicl.errors import LiniclError
-from linicl.iclca import nonnegative_z_bias
+from linicl.iclca import convert, nonnegative_z_bias, to_trainable
 from linicl.interventions import capture
 from linicl.nn import Transformer
 
@@ -61,7 +66,8 @@ from linicl.nn import Transformer
 # unconstrained zero-initialised parameter) or "project" (the same parameter, clipped to b >= 0 after
 # every update, so that phi(q).z > 0 for every input since phi = elu+1 > 0; it still starts at zero)
 # or "zero" (held at zero: B alone is trained).
-ARMS = {"baseline": None, "bias": "free", "bias_nonneg": "project", "bias_B_only": "zero"}
+ARMS = {"baseline": None, "bias": "free", "bias_nonneg": "project", "bias_B_only": "zero", "bias_warm": "project"}
+WARM = ("bias_warm",)  # arms whose bias starts from a converted demonstration (the others from zero)
 Z_MODES = ("free", "project", "zero")  # a traced index into these: every bias arm shares one compilation
 BIAS_PARAMS = ("S_bias", "z_bias")
 THRESHOLDS = (0.5, 0.9)
@@ -80,7 +86,8 @@ QUICK = dict(vocab=16, seq_len=16, n_layers=2, n_heads=2, d_model=32, d_ff=64, p
 # ---------------------------------------------------------------------------------------- setup
 def options(quick: bool = False, **changes) -> dict:
     """The run's options: ``FULL`` (or ``QUICK``) plus the task defaults, with ``changes`` applied."""
-    opts = dict(QUICK if quick else FULL, task="induction", n_pairs=4 if quick else 16, distinct=False,
+    opts = dict(QUICK if quick else FULL, task="induction", n_pairs=4 if quick else 16, n_facts=4 if quick else 32,
+                distinct=False,
                 seeds=[0, 1, 2], arms=list(ARMS), loss_on=None, quick=quick)
     opts.update(changes)
     if opts["loss_on"] is None:
@@ -90,7 +97,8 @@ def options(quick: bool = False, **changes) -> dict:
 
 def model_config(opts: dict, trainable_bias: bool) -> ModelConfig:
     """The experiment's ModelConfig; the two arms differ only in ``trainable_bias``."""
-    length = opts["seq_len"] - 1 if opts["task"] == "induction" else 2 * opts["n_pairs"] + 1
+    length = dict(induction=opts["seq_len"] - 1, recall=2 * opts["n_pairs"] + 1,
+                  facts=max(2 * opts["n_pairs"] - 1, 2 * opts.get("n_facts", 1)))[opts["task"]]  # facts: the table fits too
     return ModelConfig(vocab_size=opts["vocab"], d_model=opts["d_model"], n_layers=opts["n_layers"],
                        n_heads=opts["n_heads"], d_ff=opts["d_ff"], max_len=max(length, 1),
                        attention="linear", feature_map=opts.get("feature_map", "elu+1"), decay=opts["decay"],
@@ -106,7 +114,33 @@ def sampler_for(opts: dict):
     if opts["task"] == "induction":
         return functools.partial(induction_batch, seq_len=opts["seq_len"], vocab_size=opts["vocab"],
                                  distinct=opts["distinct"])
+    if opts["task"] == "facts":
+        return functools.partial(facts_batch, n_pairs=opts["n_pairs"], vocab_size=opts["vocab"],
+                                 n_facts=opts["n_facts"])
     return functools.partial(recall_batch, n_pairs=opts["n_pairs"], vocab_size=opts["vocab"])
+
+
+def demonstration(opts: dict, key) -> jax.Array:
+    """``int32[1, P]``, the prompt a warm-started bias is converted from: for ``facts`` every fact
+    ``k f(k)`` in key order; otherwise one sequence of the task (its inputs: what fits the positions)."""
+    if opts["task"] == "facts":
+        table = facts_table(opts["n_facts"], opts["vocab"])
+        return jnp.stack([jnp.arange(opts["n_facts"], dtype=jnp.int32), table], axis=-1).reshape(1, -1)
+    return sampler_for(opts)(key, batch=1).inputs
+
+
+def warm_bias(opts: dict, bias_params, keys) -> dict:
+    """``bias_params`` (leading seed axis) with every ``S_bias``/``z_bias`` replaced by the state of a
+    converted demonstration (``demonstration``, one per seed from ``keys``), read on that seed's own
+    initial weights. A learned-positions offset is dropped: training sequences start at position 0."""
+    model = Transformer(model_config(opts, True))
+    out = []
+    for r in range(len(keys)):
+        params = jax.tree.map(lambda a: a[r], bias_params)
+        converted = convert(model, {"params": params}, demonstration(opts, keys[r]))
+        _, warmed = to_trainable(model, converted)
+        out.append(warmed["params"])
+    return jax.tree.map(lambda *a: jnp.stack(a), *out)
 
 
 def strip_bias(params) -> dict:
@@ -287,6 +321,7 @@ def run(opts: dict, progress: bool = True, checkpoint_path=None) -> dict:
     seed_keys = jnp.stack([jax.random.PRNGKey(s) for s in seeds])
     fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
     bias_params, base_params = shared_init(opts, fold(seed_keys, 0))
+    warm_params = warm_bias(opts, bias_params, fold(seed_keys, 3)) if any(a in WARM for a in arms) else None
     data_keys = fold(seed_keys, 1)
     eval_sample = functools.partial(sampler_for(opts), batch=opts["eval_batch"])
     eval_batch = jax.jit(jax.vmap(eval_sample))(fold(seed_keys, 2))
@@ -295,7 +330,8 @@ def run(opts: dict, progress: bool = True, checkpoint_path=None) -> dict:
     for arm in arms:
         with_bias = ARMS[arm] is not None
         # Own buffers for every arm: each arm's step donates them.
-        params = jax.tree.map(jnp.copy, bias_params if with_bias else base_params)
+        start_from = warm_params if arm in WARM else bias_params if with_bias else base_params
+        params = jax.tree.map(jnp.copy, start_from)
         t0 = time.perf_counter()
         if with_bias not in compiled:  # the two bias arms share one compilation
             f = make_fns(opts, with_bias)
@@ -396,9 +432,10 @@ def summarise(opts: dict, curves: dict, timing: dict, final_params: dict) -> dic
 def figure(plt, report: dict):
     """Training loss, held-out in-context accuracy and loss, and the smallest normaliser, per arm."""
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    colors = dict(baseline="tab:blue", bias="tab:red", bias_nonneg="tab:green", bias_B_only="tab:purple")
+    colors = dict(baseline="tab:blue", bias="tab:red", bias_nonneg="tab:green", bias_B_only="tab:purple",
+                  bias_warm="tab:orange")
     labels = dict(baseline="no bias", bias="trainable (B, b), b free", bias_nonneg="trainable (B, b), b >= 0",
-                  bias_B_only="trainable B, b = 0")
+                  bias_B_only="trainable B, b = 0", bias_warm="(B, b) from a converted demonstration, b >= 0")
     panels = [(axes[0, 0], "train", "loss", "training loss (running mean)"),
               (axes[0, 1], "eval", "ctx_acc", "held-out in-context accuracy"),
               (axes[1, 0], "eval", "ctx_loss", "held-out in-context loss"),
@@ -442,7 +479,9 @@ def main(argv=None) -> int:
     parser = reporting.argument_parser(__doc__)
     reporting.add_common_args(parser, out="results/bias_training", quick="a tiny model for a few steps (CI, seconds)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (>= 1)")
-    parser.add_argument("--task", choices=("induction", "recall"), default="induction")
+    parser.add_argument("--task", choices=("induction", "recall", "facts"), default="induction")
+    parser.add_argument("--n-facts", type=positive_int, default=None,
+                        help="facts: the table's size (default 32, 4 with --quick)")
     parser.add_argument("--n-pairs", type=positive_int, default=None,
                         help="recall: key-value pairs per sequence (default 16, 4 with --quick)")
     parser.add_argument("--distinct", action="store_true",
@@ -466,7 +505,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS),
                         help="baseline: no bias terms; bias: the zoo's trainable (S_bias, z_bias), "
                              "z_bias unconstrained; bias_nonneg: the same with z_bias clipped to >= 0 "
-                             "after every update; bias_B_only: z_bias held at 0 (default: all four)")
+                             "after every update; bias_B_only: z_bias held at 0; bias_warm: as bias_nonneg, started "
+                             "from a converted demonstration (default: all five)")
     args = parser.parse_args(argv)
 
     changes = {name: getattr(args, name) for name in FULL
@@ -475,6 +515,8 @@ def main(argv=None) -> int:
         changes["decay"] = args.decay
     if args.n_pairs is not None:
         changes["n_pairs"] = args.n_pairs
+    if args.n_facts is not None:
+        changes["n_facts"] = args.n_facts
     opts = options(args.quick, task=args.task, distinct=args.distinct, seeds=args.seeds,
                    arms=[a for a in ARMS if a in args.arms], loss_on=args.loss_on, **changes)
     if opts["steps"] < 1 or opts["eval_every"] < 1 or opts["steps"] % opts["eval_every"]:

@@ -76,7 +76,7 @@ EXPERIMENTS = {
         reference="ICLCA Fig. 1 (arXiv 2406.02847) shows the training curves of the three arms; its "
                   "numbers are not transcribed here, compare the plot's shape."),
     "bias_grid": dict(
-        title="ICLCA Fig. 1 searched: trainable bias terms over a grid of 24 settings",
+        title="ICLCA Fig. 1 searched: trainable bias terms over a grid of 28 settings",
         cmd=["experiments/bias_grid.py"], quick=["--quick"], json="bias_grid.json", plots=["bias_grid.png"],
         carry=["*/summary.json"],
         reference="ICLCA Fig. 1 (arXiv 2406.02847): \"the model with bias terms shows improved training speed "

@@ -40,7 +40,8 @@ import jax.numpy as jnp
 
 from linicl.errors import LiniclError
 
-__all__ = ["TokenBatch", "RegressionBatch", "induction_batch", "recall_batch", "mqar_batch", "induction_mask",
+__all__ = ["TokenBatch", "RegressionBatch", "induction_batch", "recall_batch", "facts_batch", "facts_table",
+           "mqar_batch", "induction_mask",
            "regression_batch", "regression_embeds"]
 
 
@@ -168,6 +169,50 @@ def _recall(key, batch: int, n_pairs: int, vocab_size: int) -> TokenBatch:
     L = 2 * n_pairs + 1
     mask = jnp.broadcast_to(jnp.arange(L) == L - 1, (batch, L))
     return TokenBatch(inputs, targets, mask)
+
+
+def facts_table(n_facts: int, vocab_size: int, table_seed: int = 0) -> jax.Array:
+    """The fixed facts of ``facts_batch``: ``int32[n_facts]``, the value of key k = 0 .. n_facts - 1,
+    drawn from ``[vocab_size // 2, vocab_size)`` by ``table_seed`` alone (the same for every batch)."""
+    _size("vocab_size", vocab_size, 4)
+    _size("n_facts", n_facts, 1)
+    if n_facts > vocab_size // 2:
+        raise LiniclError(f"n_facts = {n_facts} keys do not fit in the key vocabulary [0, vocab_size // 2 = "
+                          f"{vocab_size // 2})")
+    return jax.random.randint(jax.random.PRNGKey(table_seed), (n_facts,), vocab_size // 2, vocab_size,
+                              dtype=jnp.int32)
+
+
+def facts_batch(key: jax.Array, batch: int, n_pairs: int, vocab_size: int, n_facts: int,
+                table_seed: int = 0) -> TokenBatch:
+    """Shared facts: ``k_1 f(k_1) k_2 f(k_2) ... k_n f(k_n)`` with the keys drawn uniformly, with
+    replacement, from a fixed table of ``n_facts`` facts ``f`` (``facts_table``: the same in every
+    sequence and batch). A value is predictable from the sequence itself only when its key occurred
+    earlier in it; otherwise only what persists across sequences can supply it (the weights, or a
+    trained initial state such as ICLCA's bias terms): the task where a persistent state has something
+    to store.
+
+    Args:
+      key: a PRNG key (draws the keys only).
+      batch: number of sequences, >= 1.
+      n_pairs: key-value pairs per sequence, >= 1.
+      vocab_size: keys from ``[0, n_facts)``, values from ``[vocab_size // 2, vocab_size)``; >= 4.
+      n_facts: the table's size, >= 1 and <= vocab_size // 2.
+      table_seed: the table's seed.
+    Returns:
+      ``TokenBatch`` of length ``2 * n_pairs - 1``: ``inputs = seq[:, :-1]``, ``targets = seq[:, 1:]``,
+      ``mask`` True at the keys (input positions 0, 2, 4, ...), whose target is their fact.
+    Raises:
+      LiniclError: a size that is not a Python int, too small, or ``n_facts > vocab_size // 2``.
+    """
+    _size("batch", batch, 1)
+    _size("n_pairs", n_pairs, 1)
+    table = facts_table(n_facts, vocab_size, table_seed)
+    keys = jax.random.randint(key, (batch, n_pairs), 0, n_facts, dtype=jnp.int32)
+    seq = jnp.stack([keys, table[keys]], axis=-1).reshape(batch, 2 * n_pairs)
+    L = 2 * n_pairs - 1
+    mask = jnp.broadcast_to(jnp.arange(L) % 2 == 0, (batch, L))
+    return TokenBatch(seq[:, :-1], seq[:, 1:], mask)
 
 
 def mqar_batch(key: jax.Array, batch: int, n_pairs: int, n_queries: int, vocab_size: int,

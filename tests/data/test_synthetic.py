@@ -142,3 +142,23 @@ def test_recall_errors(kwargs, match):
 def test_errors_are_value_errors_under_jit():
     with pytest.raises(ValueError, match="even"):
         jax.jit(functools.partial(induction_batch, batch=1, seq_len=9, vocab_size=4))(KEY)
+
+
+def test_facts_are_one_table_shared_by_every_sequence():
+    from linicl.data.synthetic import facts_batch, facts_table
+    table = np.asarray(facts_table(8, 32, table_seed=5))
+    assert table.shape == (8,) and table.min() >= 16 and table.max() < 32
+    b = facts_batch(jax.random.PRNGKey(0), 6, 10, 32, 8, table_seed=5)
+    inputs, targets, mask = (np.asarray(x) for x in b)
+    assert inputs.shape == targets.shape == mask.shape == (6, 19)
+    np.testing.assert_array_equal(targets[:, :-1], inputs[:, 1:])  # next-token data
+    keys, values = inputs[:, 0::2], targets[:, 0::2]
+    assert keys.max() < 8 and mask[:, 0::2].all() and not mask[:, 1::2].any()
+    np.testing.assert_array_equal(values, table[keys])  # every answer is the table's
+    other = np.asarray(facts_batch(jax.random.PRNGKey(1), 6, 10, 32, 8, table_seed=5).targets)[:, 0::2]
+    assert not np.array_equal(other, values)  # another key draws other keys from the same table
+    assert not np.array_equal(np.asarray(facts_table(8, 32, table_seed=6)), table)  # power: the seed matters
+    with pytest.raises(LiniclError, match="n_facts"):
+        facts_table(17, 32)
+    with pytest.raises(LiniclError, match="n_pairs"):
+        facts_batch(jax.random.PRNGKey(0), 2, 0, 32, 8)

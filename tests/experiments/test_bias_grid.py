@@ -17,6 +17,7 @@ _spec.loader.exec_module(bg)
 def test_the_grid_covers_the_unknowns():
     grid = bg.settings(quick=False)
     assert len(grid) >= 24 and len({tuple(a) for a in grid.values()}) == len(grid)
+    assert sum("--task facts" in " ".join(a) for a in grid.values()) == 4
     joined = [" ".join(a) for a in grid.values()]
     for needle in ("--feature-map hedgehog", "--feature-map elu+1", "--positions learned", "--decay",
                    "--vocab 256", "--vocab 16", "--lr 3e-3"):

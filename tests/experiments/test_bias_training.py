@@ -124,7 +124,7 @@ def test_quick_run_writes_finite_json_and_plot(tmp_path):
     report = json.loads((tmp_path / "bias_training.json").read_text())
     cfg = report["config"]
     assert cfg["quick"] and cfg["seeds"] == [0, 1, 2]
-    assert set(report["arms"]) == {"baseline", "bias", "bias_nonneg", "bias_B_only"}
+    assert set(report["arms"]) == {"baseline", "bias", "bias_nonneg", "bias_B_only", "bias_warm"}
     for arm, r in report["arms"].items():
         assert r["finite"], arm
         assert r["eval_steps"] == list(range(0, cfg["steps"] + 1, cfg["eval_every"]))
@@ -135,9 +135,11 @@ def test_quick_run_writes_finite_json_and_plot(tmp_path):
         assert set(r["steps_to_ctx_acc"]) == {"0.5", "0.9"}
         assert np.isfinite(r["final"]["ctx_acc"]["mean"]) and 0 <= r["final"]["ctx_acc"]["mean"] <= 1
         assert r["denominators"]["min_train"] > 0 and r["timing"]["train_s"] > 0
-    # the same init and held-out batch, and a zero bias: at step 0 every arm has the same loss
-    first = [r["eval"]["loss"]["0"][0] for r in report["arms"].values()]
-    assert first == pytest.approx([first[0]] * len(first), rel=1e-5)
+    # the same init and held-out batch, and a zero bias: at step 0 every arm but the warm one has the same loss
+    first = {arm: r["eval"]["loss"]["0"][0] for arm, r in report["arms"].items()}
+    cold = [v for arm, v in first.items() if arm not in bt.WARM]
+    assert cold == pytest.approx([cold[0]] * len(cold), rel=1e-5)
+    assert first["bias_warm"] != pytest.approx(cold[0], rel=1e-5)
     assert report["arms"]["bias_nonneg"]["denominators"]["min_z_bias_entry"] >= 0
     assert (tmp_path / "bias_training.png").stat().st_size > 0
     assert report["wall_s"] > 0
@@ -165,3 +167,27 @@ def test_training_resumes_from_its_checkpoint_with_the_same_numbers(tmp_path, mo
     other = bt.options(quick=True, seeds=[0, 1], steps=6, eval_every=2)
     with pytest.raises(Exception, match="other settings"):
         bt.run(other, progress=False, checkpoint_path=path)
+
+
+@pytest.mark.parametrize("task", ["facts", "induction"])
+def test_the_warm_bias_is_the_converted_demonstration(task):
+    """bias_warm starts as the model holding its converted demonstration (no positions: nothing is
+    dropped), not as the zero bias."""
+    from linicl import iclca
+    opts = bt.options(quick=True, seeds=[0, 1], task=task, positions="none")
+    keys = jax.random.split(jax.random.PRNGKey(7), 2)
+    bias_p, _ = bt.shared_init(opts, keys)
+    warm = bt.warm_bias(opts, bias_p, keys)
+    model = bt.Transformer(bt.model_config(opts, True))
+    query = bt.make_sampler(opts)(jax.random.PRNGKey(3)).inputs
+    for r in range(2):
+        demo = bt.demonstration(opts, keys[r])
+        converted = iclca.convert(model, {"params": _seed0(jax.tree.map(lambda a: a[r:], bias_p))}, demo)
+        want = model.apply(converted, query)
+        got = model.apply({"params": jax.tree.map(lambda a: a[r], warm)}, query)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        cold = model.apply({"params": jax.tree.map(lambda a: a[r], bias_p)}, query)
+        assert float(jnp.abs(cold - want).max()) > 1e-2  # power: the demonstration changes the outputs
+    if task == "facts":
+        np.testing.assert_array_equal(bt.demonstration(opts, keys[0])[0, 1::2],
+                                      bt.facts_table(opts["n_facts"], opts["vocab"]))
