@@ -54,7 +54,7 @@ from linicl.capacity.regression import BASELINES  # noqa: F401
 from linicl.compiled import enable_persistent_cache
 from linicl.errors import LiniclError
 from linicl.nn import Transformer
-from linicl.reporting import positive_float, positive_int, positive_int_list
+from linicl.reporting import nonnegative_int, positive_float, positive_int, positive_int_list
 from linicl.timing import FAST_COMPILE, QUICK_COMPILE
 
 TRAINING = ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "lr", "circuit_steps", "circuit_batch",
@@ -69,14 +69,14 @@ FULL = dict(vocab=64, d_model=64, n_layers=2, n_heads=4, d_ff=128, lr=3e-3, circ
             circuit_batch=256, vocab_steps=300, steps=1000, train_pairs=[2, 4, 8, 16, 32], queries=128,
             chunk=50, pairs=[4, 8, 16, 32], eval_queries=4, eval_batch=256,
             reg_dx=8, reg_examples=32, reg_steps=1000, reg_batch=64, reg_k=[1, 2, 4, 8, 16, 32],
-            reg_eval_batch=256)
+            reg_eval_batch=256, short_conv=0)
 # Quick: one compiled training chunk serves both stages (the same sizes, vocabulary and length). The
 # regression's held-out tasks are more than the full run's: cheap at these sizes, and enough to see
 # the zero predictor's error near its expected 1 (the test checks it).
 QUICK = dict(vocab=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, lr=3e-3, circuit_steps=2,
              circuit_batch=8, vocab_steps=2, steps=2, train_pairs=[2], queries=8, chunk=2,
              pairs=[2, 4], eval_queries=2, eval_batch=8,
-             reg_dx=2, reg_examples=4, reg_steps=2, reg_batch=8, reg_k=[1, 2, 4], reg_eval_batch=512)
+             reg_dx=2, reg_examples=4, reg_steps=2, reg_batch=8, reg_k=[1, 2, 4], reg_eval_batch=512, short_conv=0)
 
 
 # ---------------------------------------------------------------------------------------- setup
@@ -88,10 +88,15 @@ def options(quick: bool = False, **changes) -> dict:
 
 
 def model_config(opts: dict, mixer: str):
-    """The MQAR model of ``mixer``: long enough for 2n + 2m - 1 tokens with m <= n."""
+    """The MQAR model of ``mixer``: long enough for 2n + 2m - 1 tokens with m <= n; with ``--short-conv
+    K`` every linear-family mixer gets a K-tap causal convolution of q, k, v with SiLU after it (as
+    DeltaNet and Gated DeltaNet; softmax keeps none: the zoo's convolution is a finite-state option)."""
     sizes = {k: opts[k] for k in ("d_model", "n_layers", "n_heads", "d_ff")}
-    return mixer_config(mixer, vocab_size=opts["vocab"], max_len=4 * max(opts["pairs"] + opts["train_pairs"]),
-                        **sizes)
+    cfg = mixer_config(mixer, vocab_size=opts["vocab"], max_len=4 * max(opts["pairs"] + opts["train_pairs"]),
+                       **sizes)
+    if opts.get("short_conv") and cfg.attention == "linear":
+        cfg = cfg.replace(short_conv=opts["short_conv"], short_conv_activation="silu")
+    return cfg
 
 
 def regression_config(opts: dict, mixer: str):
@@ -452,7 +457,9 @@ def main(argv=None) -> int:
             ("reg_examples", positive_int, "(x, y) pairs per regression training sequence; "),
             ("reg_batch", positive_int, "regression tasks per training step; "),
             ("reg_k", positive_int_list, "evaluated numbers of regression pairs k, comma-separated; "),
-            ("reg_eval_batch", positive_int, "held-out regression tasks; ")):
+            ("reg_eval_batch", positive_int, "held-out regression tasks; "),
+            ("short_conv", nonnegative_int, "taps K of a short causal convolution of q, k, v (SiLU after it) in "
+                                            "every linear-family mixer, 0: none; ")):
         shown = listed if isinstance(FULL[name], list) else str
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                             help=f"{what}default {shown(FULL[name])} ({shown(QUICK[name])} with --quick)")

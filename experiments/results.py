@@ -82,6 +82,13 @@ EXPERIMENTS = {
         reference="ICLCA Fig. 1 (arXiv 2406.02847): \"the model with bias terms shows improved training speed "
                   "and higher in-context accuracy\", sizes not given. The verdict asks for an arm significantly "
                   "sooner to 90 % in-context accuracy (paired over 3 seeds, Student-t)."),
+    "mqar_grid": dict(
+        title="Recall capacity with and without short convolutions, 3 seeds (MQAR)",
+        cmd=["experiments/mqar_grid.py"], quick=["--quick"], json="mqar_grid.json", plots=["mqar_grid.png"],
+        carry=["*/recall_capacity.json"],
+        reference="DeltaNet (arXiv 2406.06484) and Gated DeltaNet (arXiv 2412.06464) report the delta rule "
+                  "above additive linear attention on MQAR, with short convolutions and far longer training; "
+                  "Zoology (arXiv 2312.04927) plots accuracy against state size."),
     "icl_baselines": dict(
         title="Zero- vs k-shot ICL of SmolLM2-135M-Instruct",
         cmd=["experiments/icl_baselines.py"], quick=["--quick"], json="icl_baselines.json",

@@ -198,3 +198,17 @@ def test_bad_option_is_a_usage_error():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--pairs", "4,40"], capture_output=True,
                           text=True, cwd=REPO)
     assert proc.returncode == 2 and "--pairs 40" in proc.stderr
+
+
+def test_short_convolution_option_reaches_every_linear_mixer_and_the_fingerprint():
+    plain = rc.options(quick=True)
+    conv = rc.options(quick=True, short_conv=4)
+    for mixer in rc.MIXERS:
+        cfg = rc.model_config(conv, mixer)
+        want = 0 if cfg.attention == "softmax" else 4  # softmax keeps no convolution (not a finite state)
+        assert cfg.short_conv == want and rc.model_config(plain, mixer).short_conv == 0
+        if want:
+            assert cfg.short_conv_activation == "silu"
+            assert rc.settings(conv, mixer)["fingerprint"] != rc.settings(plain, mixer)["fingerprint"]
+    with pytest.raises(Exception, match="short_conv"):
+        rc.check_options(rc.options(quick=True, short_conv=1))
