@@ -33,9 +33,10 @@ from tqdm.auto import tqdm
 from linicl import checkpoint as ckpt
 from linicl import compiled
 from linicl.linearize import lora as L
-from linicl.linearize.transfer import check_training, in_compute_dtype, input_checksums, step_batch
+from linicl.linearize.transfer import check_training, input_checksums, step_batch
 from linicl.names import PARAMS
 from linicl.parallel import place, place_like, shard_batch, step_shardings
+from linicl.precision import in_compute_dtype
 
 TRAINER = "linicl.linearize.train_lora"
 

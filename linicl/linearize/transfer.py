@@ -37,7 +37,7 @@ from linicl.interventions import capture
 from linicl.linearize.student import merge, split, trained_layers
 from linicl.names import INTERMEDIATES, PARAMS, block_site, layer_scope
 from linicl.nn.block import Block
-from linicl.precision import in_compute_dtype  # noqa: F401  (re-exported: linearize.distill)
+from linicl.precision import in_compute_dtype
 from linicl.parallel import data_size, device_mesh, place, place_like, shard_batch, step_shardings
 
 
@@ -206,4 +206,4 @@ def maps_from_checkpoint(path, student, student_variables):
     return {**student_variables, PARAMS: params}, info
 
 
-__all__ = ["History", "teacher_targets", "layer_losses", "step_batch", "check_training", "input_checksums", "train_maps", "maps_from_checkpoint", "in_compute_dtype"]
+__all__ = ["History", "teacher_targets", "layer_losses", "step_batch", "check_training", "input_checksums", "train_maps", "maps_from_checkpoint"]
