@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -79,12 +78,7 @@ def run_setting(key: str, args: list, out: Path, common: list) -> dict:
     folder = out / key
     if (folder / "summary.json").exists():
         return json.loads((folder / "summary.json").read_text())
-    folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(SCRIPT), *args, *common, "--no-progress", "--out", str(folder)]
-    with open(folder / "stdout.txt", "w") as log:
-        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise RuntimeError(f"{key}: bias_training.py exited {code}; see {folder / 'stdout.txt'}")
+    reporting.run_logged([sys.executable, str(SCRIPT), *args, *common, "--no-progress", "--out", str(folder)], folder)
     summary = summarise(json.loads((folder / "bias_training.json").read_text()))
     reporting.write_json(folder / "summary.json", summary)
     return summary

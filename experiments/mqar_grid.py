@@ -25,7 +25,6 @@ Writes ``OUT/mqar_grid.json`` and ``OUT/mqar_grid.png``.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -42,15 +41,11 @@ PAIRS = (("delta", "linear"), ("gated_delta", "gated"))  # (delta rule, its addi
 def run_one(folder: Path, seed: int, conv: int, args) -> dict:
     """One recall_capacity run (resumed from its checkpoints), unless its JSON exists; its JSON."""
     if not (folder / "recall_capacity.json").exists():
-        folder.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, str(SCRIPT), "--tasks", "mqar", "--seed", str(seed), "--short-conv", str(conv),
                "--no-progress", "--out", str(folder)] + (["--quick"] if args.quick else [])
         cmd += ["--mixers", *args.mixers] if args.mixers else []
         cmd += ["--steps", str(args.steps)] if args.steps else []
-        with open(folder / "stdout.txt", "w") as log:
-            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-        if code != 0:
-            raise RuntimeError(f"{folder.name}: recall_capacity.py exited {code}; see {folder / 'stdout.txt'}")
+        reporting.run_logged(cmd, folder)
     return json.loads((folder / "recall_capacity.json").read_text())
 
 

@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -206,6 +207,18 @@ def plot(path, draw: Callable, *args, dpi: int = 110) -> Optional[Path]:
     finally:
         plt.close(fig)
     return path
+
+
+def run_logged(cmd: Sequence[str], folder) -> None:
+    """Run one step of a grid of runs (``cmd``, e.g. ``[sys.executable, script, ...]``) with its output
+    in ``folder/stdout.txt`` (``folder`` created); a RuntimeError naming the log when it fails."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "stdout.txt", "w") as log:
+        code = subprocess.call(list(cmd), stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        raise RuntimeError(f"{folder.name}: {Path(cmd[1]).name if len(cmd) > 1 else cmd[0]} exited {code}; "
+                           f"see {folder / 'stdout.txt'}")
 
 
 def publish(out, name: str, report: dict, table: str, figure: Optional[Callable] = None, plots: bool = True) -> None:

@@ -139,3 +139,12 @@ def test_progress_resumes_only_under_the_same_settings(tmp_path, capsys):
     other = reporting.Progress(path, "fp2")            # other settings: never mixed in
     assert not other.resumed and other.get("cell") is None
     assert "other settings" in capsys.readouterr().err
+
+
+def test_run_logged_keeps_the_output_and_names_the_log_of_a_failure(tmp_path):
+    run_logged = reporting.run_logged
+    run_logged([sys.executable, "-c", "print('hello')"], tmp_path / "ok")
+    assert (tmp_path / "ok" / "stdout.txt").read_text().strip() == "hello"
+    with pytest.raises(RuntimeError, match=r"bad: .* exited 3; see .*bad/stdout.txt"):
+        run_logged([sys.executable, "-c", "import sys; print('oops'); sys.exit(3)"], tmp_path / "bad")
+    assert "oops" in (tmp_path / "bad" / "stdout.txt").read_text()
