@@ -75,12 +75,13 @@ def test_an_unfinished_run_carries_its_small_checkpoints_to_a_fresh_machine(tmp_
     assert (fresh / "progress.json").read_bytes() == b"newer"  # what the machine has wins
     assert (fresh / "ckpt" / "router_ICR-logit.safetensors").read_bytes() == b"c"
     assert not (fresh / "cache").exists() and not (fresh / "pid_acts").exists()
-    # Too large to commit: refused, by size.
-    monkeypatch.setattr(mod, "STATE_LIMIT", 4)
+    # Too large to commit: refused, by size (routing has a limit of its own), and what was saved before stays.
+    monkeypatch.setitem(mod.EXPERIMENTS["routing"], "state_limit", 4)
     with pytest.raises(SystemExit, match="MiB"):
         mod.save_state("routing", tmp_path / "results")
+    assert (tmp_path / "state" / "routing" / "router_ICR.safetensors").read_bytes() == b"w"
     # Finished (its JSON exists): the state goes.
-    monkeypatch.setattr(mod, "STATE_LIMIT", 1 << 20)
+    monkeypatch.setitem(mod.EXPERIMENTS["routing"], "state_limit", 1 << 20)
     mod.save_state("routing", tmp_path / "results")
     (out / "routing.json").write_text("{}")
     mod.save_state("routing", tmp_path / "results")
