@@ -1,0 +1,245 @@
+"""The table of experiments that ``experiments/results.py`` runs and reports: for each, its RESULTS.md
+title, the script and its arguments (quick and full), its JSON and plots, what it carries across sessions,
+and what the papers publish to compare with. Data only: ``results.py`` does the running and the writing.
+
+Each entry: ``title``; ``cmd`` (script and arguments); ``quick`` (arguments of the quick mode); ``full``
+(arguments of the full run only); ``json`` (the result file that marks it finished); ``plots``; ``carry``
+(glob patterns of small checkpoint files kept in ``experiments/state/<name>/`` between sessions) with
+``state_limit`` (bytes); ``device`` (runs on a lent accelerator only); ``note`` and ``reference``.
+"""
+
+STATE_LIMIT = 8 << 20  # bytes per experiment: carried files must stay small enough to commit
+# a routing run carries its 7 trained routers (1-1.4 MB each) and 5 bases until its evaluation ends
+ROUTING_STATE_LIMIT = 16 << 20
+
+# How the shipped Gemma 3 maps were trained (filled in from their stage1.json).
+GEMMA3_STAGE1 = ("the shipped maps were trained by `python experiments/linearize.py --model gemma3 --train-only` (its "
+                 "defaults: 200 steps of 4 x 512 tokens = 409,600 tokens of few-shot text from the training splits, "
+                 "BOS first; window 16, sinks 4, hedgehog maps on the 3 global layers only): 1,575 s of stage 1 on 2 "
+                 "cores shared with other work; final relative attention-output errors 0.005 / 0.155 / 0.085 "
+                 "(layers 5, 11, 17). The evaluation runs the 15 word tasks at k = 0 and 8 with 16 queries each "
+                 "and leaves out the learned-kernel conversion of the softmax model (`--skip-approx`). It ran in "
+                 "two processes: the first (2,037 s) was stopped after 24 of the 30 ICL cells, and `--resume` "
+                 "reused them and its held-out losses; the wall time is the second's.")
+
+# name -> (title, script and arguments, quick arguments, arguments of the full run only, JSON file, plots,
+# reference note)
+# what a routing run carries across sessions: its settings and progress (finished rows), the fitted bases,
+# trained routers, router checkpoints and function vectors; its activations and query caches are rebuilt
+ROUTING_CARRY = ["progress.json", "pids.npz", "pids_*.npz", "router_*.safetensors", "ckpt/*", "fv/*"]
+
+EXPERIMENTS = {
+    "verify": dict(
+        title="Exact conversion on the zoo (`linicl verify`)",
+        cmd=["-m", "linicl.cli", "verify"], quick=["--quick"], json="verify.json", plots=[],
+        reference="ICLCA (arXiv 2406.02847) proves the identity; it publishes no table of numerical "
+                  "errors to compare with. Our tolerance: 1e-12 relative in float64."),
+    "bias_training": dict(
+        title="Trainable bias terms on the induction task (ICLCA Fig. 1)",
+        cmd=["experiments/bias_training.py"], quick=["--quick"], json="bias_training.json",
+        plots=["bias_training.png"],
+        reference="ICLCA Fig. 1 (arXiv 2406.02847) shows the training curves of the three arms; its "
+                  "numbers are not transcribed here, compare the plot's shape."),
+    "bias_grid": dict(
+        title="ICLCA Fig. 1 searched: trainable bias terms over a grid of 28 settings",
+        cmd=["experiments/bias_grid.py"], quick=["--quick"], json="bias_grid.json", plots=["bias_grid.png"],
+        carry=["*/summary.json"],
+        reference="ICLCA Fig. 1 (arXiv 2406.02847): \"the model with bias terms shows improved training speed "
+                  "and higher in-context accuracy\", sizes not given. The verdict asks for an arm significantly "
+                  "sooner to 90 % in-context accuracy (paired over 3 seeds, Student-t)."),
+    "mqar_grid": dict(
+        title="Recall capacity with and without short convolutions, 3 seeds (MQAR)",
+        cmd=["experiments/mqar_grid.py"], quick=["--quick"], json="mqar_grid.json", plots=["mqar_grid.png"],
+        carry=["*/recall_capacity.json"],
+        reference="DeltaNet (arXiv 2406.06484) and Gated DeltaNet (arXiv 2412.06464) report the delta rule "
+                  "above additive linear attention on MQAR, with short convolutions and far longer training; "
+                  "Zoology (arXiv 2312.04927) plots accuracy against state size."),
+    "icl_baselines": dict(
+        title="Zero- vs k-shot ICL of SmolLM2-135M-Instruct",
+        cmd=["experiments/icl_baselines.py"], quick=["--quick"], json="icl_baselines.json",
+        plots=["icl_baselines.png"],
+        reference="No paper reports SmolLM2-135M on these tasks; the ICR paper's baselines are for larger "
+                  "models (routing.md)."),
+    "icl_baselines_gemma3": dict(
+        title="Zero- vs k-shot ICL of Gemma 3 270M (base)",
+        cmd=["experiments/icl_baselines.py", "--model", "gemma3"], quick=["--quick"],
+        full=["--k", "0", "4", "8"], json="icl_baselines.json", plots=["icl_baselines.png"],
+        reference="No paper reports Gemma 3 270M on these tasks; the ICR paper's baselines are for larger "
+                  "models (routing.md).",
+        note="k = 0, 4, 8 (SmolLM2's table adds k = 1), 16 queries per task and k, seed 0 as SmolLM2's; BOS "
+             "first, as Gemma's tokenizer says. The 2 cores were shared with other Gemma runs for most of the "
+             "wall time."),
+    "approx_conversion": dict(
+        title="Approximate conversion of softmax prompts on SmolLM2",
+        cmd=["experiments/approx_conversion.py", "--resume"], quick=["--quick"], json="approx_conversion.json",
+        plots=["accuracy.png", "kl.png"],
+        reference="ICLCA (iclca.md section 7) describes the kernel approximation and its synthetic test; "
+                  "it publishes no numbers for a pretrained LM."),
+    "approx_conversion_gemma3": dict(
+        title="Approximate conversion of softmax prompts on Gemma 3 270M (global layers approximated, local windows exact)",
+        cmd=["experiments/approx_conversion.py", "--model", "gemma3", "--resume"], quick=["--quick"],
+        json="approx_conversion.json", plots=["accuracy.png", "kl.png"],
+        reference="ICLCA (iclca.md section 7) describes the kernel approximation and its synthetic test; "
+                  "it publishes no numbers for a pretrained LM."),
+    "routing": dict(
+        title="In-Context Routing on SmolLM2: the paper's 12 tasks (ID, near-OOD, far-OOD), PIDs against a random "
+              "basis at the same bias size",
+        cmd=["experiments/routing.py", "--resume"], quick=["--quick"], json="routing.json",
+        plots=["routing.png"], carry=ROUTING_CARRY, state_limit=ROUTING_STATE_LIMIT,
+        reference="ICR (arXiv 2509.22854, routing.md section 5) on Llama2-7B: zero-shot ID/near/far 55.4/47.5/46.8, "
+                  "ICR 67.7/57.3/52.0, few-shot 75.7/68.1/54.8 (0.6 of the ID few-shot gain), no collapse; a random "
+                  "orthogonal basis 63.9/48.1/46.7. None for models of SmolLM2's or Gemma 3 270M's size."),
+    "routing_gemma3": dict(
+        title="In-Context Routing on Gemma 3 270M: the paper's 12 tasks, PIDs against a random basis at the same "
+              "bias size",
+        cmd=["experiments/routing.py", "--model", "gemma3", "--resume"], quick=["--quick"], json="routing.json",
+        plots=["routing.png"], carry=ROUTING_CARRY, state_limit=ROUTING_STATE_LIMIT,
+        reference="ICR (arXiv 2509.22854, routing.md section 5) on Llama2-7B: zero-shot ID/near/far 55.4/47.5/46.8, "
+                  "ICR 67.7/57.3/52.0, few-shot 75.7/68.1/54.8, a random basis 63.9/48.1/46.7."),
+    "implicit_regression": dict(
+        title="Implicit weight updates on in-context regression (Innocenti & Achour Fig. 1)",
+        cmd=["experiments/implicit_regression.py"], quick=["--quick"],
+        json="implicit_regression_none_float32.json", plots=["implicit_regression_none_float32_fig1.png"],
+        reference="Innocenti & Achour (arXiv 2512.11255) Fig. 1: per-block MSD between the model and its "
+                  "implicit version of about 1e-14 in float32 (their code, worst block 3.6e-13)."),
+    "implicit_dherin": dict(
+        title="Dherin et al.: one block, context as a rank-1 weight update",
+        cmd=["experiments/implicit_dherin.py"], quick=["--quick"], json="implicit_dherin_float32.json",
+        plots=["implicit_dherin_float32.png"],
+        reference="Dherin et al. (arXiv 2507.16003) show the loss with context and with ΔW coincide; "
+                  "their figures are qualitative."),
+    "linearize": dict(
+        title="Linearized SmolLM2: attention transfer, held-out loss, ICL with the prompt as weights",
+        # the evaluation of the shipped maps (their training: `python experiments/linearize.py`, docs/guides/linearization.md)
+        cmd=["experiments/linearize.py", "--resume"], quick=["--quick"],
+        full=["--maps", "linicl/linearize/artifacts/smollm2_maps.safetensors"],
+        json="linearize.json", plots=["linearize.png"],
+        reference="Hedgehog (arXiv 2402.04347) linearizes GPT-2 (125M) to 16.7 WikiText-103 perplexity; "
+                  "LoLCATs (arXiv 2410.10254) closes most of Llama 3 8B's 5-shot MMLU gap with a window "
+                  "of 64. Neither reports SmolLM2 or prompt conversion.",
+        note="the shipped maps were trained by `python experiments/linearize.py` (its defaults: 200 steps "
+             "of 4 sequences of 512 tokens, 409,600 tokens of few-shot text from the training splits; "
+             "window 16, sinks 4). That process ran 5,524 s of stage 1 on 2 shared cores, 27 min of it "
+             "paused; on 2 quiet cores a step takes 11-13 s (`--train-only --steps 12` minus `--steps 2`). The table was last written by `--resume`, which reused "
+             "every ICL cell and the held-out loss, added the kernel-adds line and timed the queries again; "
+             "the wall time is the full run's."),
+    "linearize_w0": dict(
+        title="Linearized SmolLM2 without a window (window 0, sinks 0)",
+        # 128-token training text: the defaults when it ran (before the 512-token maps), written out
+        cmd=["experiments/linearize.py", "--window", "0", "--sinks", "0", "--seq-len", "128", "--train-seqs", "512",
+             "--batch-size", "16", "--k", "0", "8", "--resume"],
+        quick=["--quick"], json="linearize.json", plots=["linearize.png"],
+        reference="Hedgehog (arXiv 2402.04347) linearizes without a window (GPT-2 125M: 16.7 WikiText-103 "
+                  "perplexity); LoLCATs (arXiv 2410.10254) adds the window. Neither reports "
+                  "SmolLM2 or prompt conversion.",
+        note="stage 1 on 128-token text (200 steps of 16 x 128 tokens; the defaults then, written out in the "
+             "command) ran over two sessions, resumed from its checkpoint; the wall time is the last process's."),
+    "linearize_w0_s2": dict(
+        title="Linearized SmolLM2 without a window: 512-token stage 1, then LoRA stage 2 (window 0, sinks 0)",
+        cmd=["experiments/linearize.py", "--window", "0", "--sinks", "0", "--stage2-steps", "100", "--k", "0", "8",
+             "--skip-approx", "--resume"],
+        quick=["--quick"], json="linearize.json", plots=["linearize.png"],
+        reference="LoLCATs (arXiv 2410.10254) trains LoRA after attention transfer and keeps a window of 64; "
+                  "Hedgehog (arXiv 2402.04347) fine-tunes its window-free GPT-2 (125M: 16.7 WikiText-103 "
+                  "perplexity). Neither reports SmolLM2 or prompt conversion.",
+        note="stage 1 ran first, as `--window 0 --sinks 0 --train-only` (200 steps of 4 x 512 tokens = "
+             "409,600 tokens, 4,335 s on 2 cores that it shared with test runs for about half of it); its "
+             "finished checkpoint was copied into OUT, so this command resumed it, and its wall time covers "
+             "stage 2 (100 steps of 2 x 512 tokens = 102,400 tokens, about 13 s a step) and the evaluation. "
+             "The learned-kernel conversion of the softmax model is left out (`--skip-approx`): the "
+             "windowed section measures it."),
+    "linearize_gemma3": dict(
+        title="Linearized Gemma 3 270M: maps on the 3 global layers, exact local windows, ICL with the prompt as weights",
+        # the evaluation of the shipped maps (their training: `--model gemma3 --train-only`, the note)
+        cmd=["experiments/linearize.py", "--model", "gemma3", "--resume"], quick=["--quick"],
+        full=["--maps", "linicl/linearize/artifacts/gemma3_maps.safetensors", "--k", "0", "8", "--n-eval", "16",
+              "--eval-seqs", "4", "--eval-len", "2048", "--lengths", "512", "2048", "--skip-approx"],
+        json="linearize.json", plots=["linearize.png"],
+        reference="LoLCATs (arXiv 2410.10254) linearizes every layer of Llama 3 8B with a window of 64; no "
+                  "paper linearizes only the global layers of a local/global model or reports Gemma 3 270M.",
+        note=GEMMA3_STAGE1),
+    "decode_memory": dict(
+        title="Benchmark: decode memory of Gemma 3 at 8,192 tokens (local layers bounded by their window)",
+        cmd=["experiments/benchmarks/decode_memory.py"], quick=["--quick"], json="decode_memory.json", plots=[],
+        reference="No paper; issue target: decoding 8,192 tokens holds the local layers' caches at the window "
+                  "size (counted on the decode state itself)."),
+    "recall_capacity": dict(
+        title="Recall capacity of the mixers on MQAR and in-context linear regression, prompted and converted",
+        # resumes on its own: each trained mixer is a checkpoint in results/recall_capacity/checkpoints/
+        cmd=["experiments/recall_capacity.py", "--no-progress"], quick=["--quick"], json="recall_capacity.json",
+        plots=["recall_capacity.png", "recall_capacity_regression.png"],
+        reference="Zoology (arXiv 2312.04927), DeltaNet / the parallel delta rule (arXiv 2406.06484) and Gated "
+                  "DeltaNet (arXiv 2412.06464) report that delta-rule models recall more key-value pairs on "
+                  "MQAR than additive linear attention at equal state size; their models have short "
+                  "convolutions and train far longer (their figures, not transcribed here). Garg et al. (arXiv "
+                  "2208.01066) train a 12-layer GPT-2 with a curriculum for 500k steps to match least squares "
+                  "on in-context linear regression (d = 20; their figures); ours are 2-layer models trained "
+                  "briefly, with the least-squares, averaging and zero baselines on the same tasks. That the "
+                  "converted model's accuracy (error) equals the prompted one holds by construction (ICLCA, "
+                  "arXiv 2406.02847)."),
+    "iclca_speed": dict(
+        title="Benchmark: conversion and kernel forms",
+        cmd=["experiments/benchmarks/iclca_speed.py"], quick=["--quick"], json="iclca_speed.json",
+        plots=["iclca_speed.png"], reference="Ratios against the prompted model measured in the same run."),
+    "implicit_speed": dict(
+        title="Benchmark: implicit-update operators",
+        cmd=["experiments/benchmarks/implicit_speed.py"], quick=["--quick"], json="implicit_speed.json",
+        plots=["implicit_speed.png"], reference="Ratios against one forward pass measured in the same run."),
+    "gated_delta_forms": dict(
+        title="Benchmark: recurrent and chunked forms of the gated and delta-rule kernels",
+        cmd=["experiments/benchmarks/gated_delta_forms.py"], quick=["--quick"], json="gated_delta_forms.json",
+        plots=[], reference="flash-linear-attention and the DeltaNet papers (arXiv 2406.06484, 2412.06464) report "
+                            "chunked forms far ahead of recurrent ones on GPUs; their figures are not for CPUs. "
+                            "Ratios against the recurrent form measured in the same run."),
+    "compile_speed": dict(
+        title="Benchmark: compile time, cold against warm persistent cache",
+        cmd=["experiments/benchmarks/compile_speed.py"], quick=["--quick"], json="compile_speed.json",
+        plots=[], reference="No paper; issue targets: generate 20 tokens <= 3 s at a new shape, forward <= 1 s "
+                            "with a warm cache, `linicl verify` <= 60 s."),
+    "long_context": dict(
+        title="Long prompts: passkey, key-value recall and many-shot ICL on SmolLM2 (finite states vs windows)",
+        cmd=["experiments/long_context.py", "--resume"], quick=["--quick"],
+        full=["--lengths", "512", "1024", "2048", "4096", "--n", "14", "--probes", "passkey", "kv", "shots", "loss",
+              "--caches", "64", "--cache-rules", "recall", "attention", "--window-caches", "64", "--oracle",
+              "--loss-len", "2048", "--convert-check", "2"],
+        json="long_context.json", plots=["long_context.png"],
+        note="student+cache64 (LoLA's rule) was measured by the run before this one on the same prompts: 14 [4, 40] "
+             "% at 512 tokens, 0 [0, 22] % at 1,024. The worst conversion error, 2.0e-3 in float32 (answers "
+             "equal), is window142+attcache64 at 2,048 tokens: a cache rule's discrete choice can flip between "
+             "two float32 runs whose rounding differs (the prompted pass and the converted prompt plus query); "
+             "every other method and cell is within 7e-6, and the float64 properties hold to 1e-12.",
+        reference="LoLA (arXiv 2505.23666): a sparse cache lifts passkey at 4K from 0.6 % to 97.4 % on a "
+                  "linearized Llama-3-8B with no training; a 2026 study (arXiv 2608.28444): window 64 + 4 sinks "
+                  "with no training keeps 17-23 % of full attention on 4K needle tests, LoLCATs <= 5.8 % "
+                  "(linearization.md section 7; their figures, not re-measured)."),
+    "long_context_gemma3": dict(
+        title="Long prompts on Gemma 3 270M: passkey and 128-shot ICL past the 512-token local windows",
+        cmd=["experiments/long_context.py", "--model", "gemma3", "--maps",
+             "linicl/linearize/artifacts/gemma3_maps.safetensors", "--resume"], quick=["--quick"],
+        full=["--lengths", "1024", "2048", "--n", "8", "--probes", "passkey", "shots", "--shot-tasks",
+              "country-capital", "--caches", "0", "--convert-check", "2"],
+        json="long_context.json", plots=["long_context.png"],
+        note="the student is the shipped linearized Gemma 3 (maps on the 3 global layers; the 15 local layers "
+             "keep their exact 512-key windows). Its equal-state window counts the local windows once per kv "
+             "head, as the windows' KV is counted (the zoo stores them per query head: decode_memory).",
+        reference="No paper reports Gemma 3 270M on long prompts; LoLA (arXiv 2505.23666) and the 2026 study "
+                  "(arXiv 2608.28444) report passkey for linearized Llama models (linearization.md section 7)."),
+    "eval_speed": dict(
+        title="Benchmark: greedy evaluation with the decode cache against prefix re-runs",
+        cmd=["experiments/benchmarks/eval_speed.py"], quick=["--quick"],
+        full=["--lengths", "1024", "--n", "8", "--rounds", "2"], json="eval_speed.json", plots=[],
+        reference="No paper; issue target: >= 5x faster per query than re-running every prefix at 1K-token "
+                  "prompts. Both paths measured in the same run, in alternating rounds."),
+    "device_check": dict(
+        title="Benchmark: the device check on a lent accelerator (forward, stage 1, converted queries, evaluation)",
+        cmd=["experiments/benchmarks/device_check.py"], quick=["--quick"], json="device_check.json", plots=[],
+        device=True,
+        reference="No paper; issue 29's device script (<= 8 min on one accelerator). Runs on a lent GPU, not here: "
+                  "`--write-pack .pack` here, then `--pack .pack` there (see the script's docstring); its JSON "
+                  "is committed in experiments/benchmarks/device_runs/."),
+    "lm_speed": dict(
+        title="Benchmark: GPT-2-small-sized forward and SmolLM2",
+        cmd=["experiments/benchmarks/lm_speed.py"], quick=["--quick"], json="lm_speed.json",
+        plots=["lm_speed.png"],
+        reference="HF PyTorch eager on the same weights, measured in the same run when torch is available."),
+}
