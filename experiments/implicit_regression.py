@@ -14,7 +14,8 @@ with context and the patched block on its query alone, over every task, position
 the largest absolute difference; rank(Σ_i ΔW_i); the smallest ‖f‖; and the test loss of the whole
 network with every block patched (what ``linicl.implicit.convert`` builds), run on the raw query alone. At ``--align-steps`` (0, 50, 90):
 the token alignment maps DA(ΔW_i, ΔW_j) of every block for 3 tasks (Fig. A.1) and the last-token
-cross-block maps (Fig. A.2). Metrics are computed on the fly: no array of every update over training.
+cross-block maps (Fig. A.2). Metrics are computed on the fly (``linicl.implicit.train_with_probes``):
+no array of every update over training.
 
 Writes ``OUT/implicit_regression_<ln>_<dtype>.json`` (every number, the wall time and peak memory)
 and PNG plots. Differences from the reference code: Flax's default initialisation (lecun-normal
@@ -27,7 +28,6 @@ import time
 
 _START = time.perf_counter()
 
-import functools  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
@@ -67,143 +67,24 @@ def parse(argv=None):
     return args
 
 
-def build(args):
-    import jax
+def run(args) -> dict:
+    """Train and probe the paper's model (``linicl.implicit.regression``); the report without timings."""
     import jax.numpy as jnp
-    import optax
 
     import linicl
     from linicl import implicit
     from linicl.data import regression
 
-    every_step = FAST_COMPILE if args.quick else QUICK_COMPILE  # quick mode: compiling dominates
-    cfg = linicl.ModelConfig(vocab_size=1, d_model=args.d_x + 1, n_layers=args.layers, n_heads=args.heads,
-                             d_ff=4 * (args.d_x + 1), mlp_depth=3, max_len=max(args.n_tokens, 2),
-                             attention="softmax", positions="none", norm=args.ln, skip="residual",
-                             final_norm=False, activation="gelu_tanh", attn_bias=False, mlp_bias=True,
-                             causal=True, ln_eps=1e-5, dtype=args.dtype)
+    cfg = implicit.fig1_config(d_x=args.d_x, n_layers=args.layers, n_heads=args.heads, n_tokens=args.n_tokens,
+                               norm=args.ln, dtype=args.dtype)
     model = linicl.Transformer(cfg)
-    dt, L, d_x = cfg.jnp_dtype, cfg.n_layers, args.d_x
-    tasks = lambda key: regression.sample(key, args.batch, args.n_tokens, d_x, dtype=dt)  # noqa: E731
-    hidden = lambda v, x: model.apply(v, embeds=x, hidden=True)  # noqa: E731
-    opt = optax.adam(args.lr)
-
-    def train_loss(params, batch):
-        return regression.loss(regression.readout(hidden({"params": params}, batch.tokens), d_x), batch.target)
-
-    def train_step(params, opt_state, key):
-        value, grads = jax.value_and_grad(train_loss)(params, tasks(key))
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    def last_block_last_token(variables, mu):
-        """The paper's implicit model: block L patched with the last-token update, on x_L alone."""
-        bp = variables["params"][f"layers_{L - 1}"]
-        one = jax.tree.map(lambda a: a[L - 1], mu.update)
-        x = mu.pieces.x[L - 1][:, -1]
-
-        def task(u, v, db, xb):
-            upd = implicit.Update(u, v, db).at(-1)
-            return implicit.alone(cfg, implicit.patch(cfg, bp, upd), xb)["hook_resid_post"]
-        return jax.vmap(task)(one.u, one.v, one.delta_b, x)
-
-    def losses(variables, key):
-        batch = tasks(key)
-        mu = implicit.updates(model, variables, embeds=batch.tokens)
-        model_pred = mu.pieces.out[L - 1][:, -1, d_x]
-        paper_pred = last_block_last_token(variables, mu)[:, d_x]
-        fro = implicit.frobenius(mu.update)[:, :, -1]                          # [L, B]
-        return dict(model=regression.loss(model_pred, batch.target),
-                    implicit_last_block=regression.loss(paper_pred, batch.target),
-                    dW_fro_last_token=fro.mean(axis=1))
-
-    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
-    def exactness(variables, key):
-        batch = tasks(key)
-        mu = implicit.updates(model, variables, embeds=batch.tokens)
-        diff = implicit.implied_all(model, variables, mu) - mu.pieces.out        # [L, B, N, d]
-        summed = {k: u.sum(axis=2) for k, u in mu.update.u.items()}             # Σ_i ΔW_i = (Σ_i u_i) vᵀ
-        dense_sum = implicit.dense(implicit.Update(summed, mu.update.v[:, :, 0], mu.update.delta_b[:, :, 0]))
-        s = jnp.linalg.svd(dense_sum["fc_in"], compute_uv=False)               # [L, B, min(h, d)]
-        rank = jnp.sum(s > s[..., :1] * 10 * jnp.finfo(dt).eps * max(s.shape[-1], 4), axis=-1)
-        f_norm = jnp.linalg.norm(mu.pieces.f[..., 0, :], axis=-1)              # [L, B]
-        g_over_f = jnp.max(jnp.linalg.norm(mu.pieces.g, axis=-1), axis=-1) / f_norm
-        # The whole network, every block patched with its last-token update, on the raw query alone.
-        # Without positions the query's own block-1 input is the last token's, so these are the
-        # patches implicit.convert builds (tested to be so); reusing them saves a compile.
-        def network(upd, query):
-            params = dict(variables["params"])
-            for l in range(L):
-                one = jax.tree.map(lambda a: a[l], upd).at(-1)
-                params[f"layers_{l}"] = implicit.patch(cfg, params[f"layers_{l}"], one)
-            return hidden({"params": params}, query[None, None])[0, -1, d_x]
-        net_pred = jax.vmap(network, in_axes=(1, 0))(mu.update, batch.tokens[:, -1])
-        model_pred = mu.pieces.out[L - 1][:, -1, d_x]
-        # Alignment maps (Figs. A.1, A.2) of the first tasks: every token pair of every block, and
-        # the last-token updates of every block pair.
-        first = jax.tree.map(lambda a: a[:, :args.align_tasks], mu.update)
-        last = implicit.Update({k: jnp.swapaxes(u[:, :, -1], 0, 1) for k, u in first.u.items()},
-                               jnp.swapaxes(first.v[:, :, 0], 0, 1), first.delta_b[0, :, :1])
-        return dict(align_tokens=implicit.alignment(first), align_blocks=implicit.alignment(last),
-                    loss_model=regression.loss(model_pred, batch.target),
-                    loss_implicit_network=regression.loss(net_pred, batch.target),
-                    network_max_abs_err=jnp.max(jnp.abs(net_pred - model_pred)),
-                    msd=jnp.mean(jnp.square(diff), axis=(1, 2, 3)), max_abs_err=jnp.max(jnp.abs(diff), axis=(1, 2, 3)),
-                    out_scale=jnp.max(jnp.abs(mu.pieces.out), axis=(1, 2, 3)),
-                    rank_sum_max=jnp.max(rank, axis=1), rank_sum_min=jnp.min(rank, axis=1),
-                    min_f_norm=jnp.min(f_norm, axis=1), max_g_over_f=jnp.max(g_over_f, axis=1))
-
-    @functools.partial(jax.jit, compiler_options=every_step)
-    def step(params, opt_state, train_key, test_key):
-        """The test metrics of ``params``, then one training step (one compiled call per step)."""
-        metrics = losses({"params": params}, test_key)
-        return (*train_step(params, opt_state, train_key), metrics)
-
-    def init(seed):
-        return regression.numpy_init(model, jnp.zeros((1, args.n_tokens, cfg.d_model), dt), seed)
-    return cfg, model, init, opt, step, exactness
-
-
-def run(args) -> dict:
-    import jax
-    import numpy as np
-    from tqdm.auto import tqdm
-
-    cfg, model, init, opt, step, exactness = build(args)
-    key = jax.random.PRNGKey(args.seed)
-    k_train, k_test = jax.random.split(key)
-    params = init(args.seed)["params"]
-    opt_state = opt.init(params)
-    tolist = lambda tree: jax.tree.map(lambda a: np.asarray(a).tolist(), tree)  # noqa: E731
-    curves = {k: [] for k in ("train_loss", "model", "implicit_last_block", "dW_fro_last_token")}
-    msd, align = {}, {}
-    seconds = dict(step=0.0, probes=0.0)  # the first calls include compiling
-
-    def timed(name, fn, *a):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*a))
-        seconds[name] += time.perf_counter() - t0
-        return out
-
-    # Step t: the parameters after t Adam updates (t = 0: the initialisation), on a fresh test batch.
-    for t in tqdm(range(args.steps + 1), desc=f"train ({args.ln}-LN, {args.dtype})", disable=not args.progress):
-        test_key = jax.random.fold_in(k_test, t)
-        if t in args.msd_steps or t in args.align_steps:
-            probe = tolist(timed("probes", exactness, {"params": params}, test_key))
-            maps = {k: probe.pop(k) for k in ("align_tokens", "align_blocks")}
-            if t in args.msd_steps:
-                msd[t] = probe
-            if t in args.align_steps:
-                align[t] = dict(tokens=maps["align_tokens"], blocks=maps["align_blocks"])
-        new_params, new_state, value, metrics = timed("step", step, params, opt_state,
-                                                      jax.random.fold_in(k_train, t + 1), test_key)
-        for k, val in metrics.items():
-            curves[k].append(np.asarray(val).tolist())
-        if t < args.steps:  # the last call only evaluates
-            params, opt_state = new_params, new_state
-            curves["train_loss"].append(float(value))
-    return dict(config=dict(vars(args), model=cfg.describe()), steps=list(range(args.steps + 1)),
-                curves=curves, msd_steps=msd, alignment_steps=align, seconds=seconds)
+    variables = regression.numpy_init(model, jnp.zeros((1, args.n_tokens, cfg.d_model), cfg.jnp_dtype), args.seed)
+    result = implicit.train_with_probes(
+        model, variables, steps=args.steps, batch=args.batch, n_tokens=args.n_tokens, d_x=args.d_x, lr=args.lr,
+        seed=args.seed, msd_steps=args.msd_steps, align_steps=args.align_steps, align_tasks=args.align_tasks,
+        compiler_options=FAST_COMPILE if args.quick else QUICK_COMPILE,  # quick mode: compiling dominates
+        progress=args.progress, desc=f"train ({args.ln}-LN, {args.dtype})")
+    return dict(config=dict(vars(args), model=cfg.describe()), **result)
 
 
 def fig1(plt, report: dict):

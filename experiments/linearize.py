@@ -8,15 +8,16 @@ model whose prompt is a finite state (and so converts into weights exactly).
    Optional stage 2 (``--stage2-steps N``; ``linicl.linearize.train_lora``): a rank-``--lora-rank``
    correction of the attention projections trained on the teacher's next-token distribution (KL),
    resumable (``OUT/stage2.safetensors``), stored in ``OUT/maps.safetensors`` beside the maps.
-2. Held-out next-token loss (text rendered from the test splits, never trained on) of the softmax
-   model and the student, by position bucket; also the student read with other windows/sinks than it
-   was trained with (the same maps: says how much the window carries).
-3. ICL: zero- and k-shot accuracy (exact match on word tasks; on label tasks such as sst2 or cb,
+2. Held-out next-token loss (``linicl.linearize.quality``; text rendered from the test splits, never
+   trained on) of the softmax model and the student, by position bucket; also the student read with
+   other windows/sinks than it was trained with (the same maps: says how much the window carries).
+3. ICL (``linicl.linearize.icl``): zero- and k-shot accuracy (exact match on word tasks; on label tasks such as sst2 or cb,
    label-restricted argmax over the label words, as ``linicl.evaluate`` scores them) for the softmax
    model, the student, and the student after ``iclca.convert`` of the demonstrations (the query read
    alone: by construction the same predictions, checked), with Wilson intervals and the share of the
    softmax model's few-shot gain the student keeps (``linicl.stats``).
-4. Converted-query time and state size against prompt length, against the prompted student.
+4. Converted-query time and state size against prompt length, against the prompted student
+   (``linicl.linearize.conversion_cost``).
 
     python experiments/linearize.py --quick                  # tiny fixture model, CI-sized
     python experiments/linearize.py                          # SmolLM2: 200 steps of 4 x 512 tokens
@@ -27,33 +28,22 @@ Writes ``OUT/linearize.json`` (every number), ``OUT/linearize.png``; prints the 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from linicl.compiled import enable_persistent_cache
 import linicl
-from linicl import data, iclca, linearize, reporting, stats
+from linicl import data, linearize, reporting, stats
 from linicl.errors import LiniclError
-from linicl.evaluate import evaluate_prompts
-from linicl.memory import kv_cache_floats
-from linicl.metrics import rel_err
-from linicl.timing import time_call
+from linicl.linearize.icl import METHODS, RECOVERED, STAGE1
 
 TRAIN_TASKS = ("sst2", "trec", "agnews", "cb", "antonym", "synonym", "present-past", "singular-plural",
                "capitalize", "country-capital", "country-currency", "english-french", "english-spanish",
                "landmark-country", "person-occupation", "sentiment")
 BOS_FLAG = {"auto": None, "on": True, "off": False}
-# The unmodified softmax model with its demonstrations as learned-kernel terms, and the control: the same
-# conversion with those terms dropped (only the sinks and the window's prompt tokens left).
-APPROX, KEPT_ONLY = "softmax + learned-kernel prompt", "softmax + kept prompt tokens only"
-STAGE1 = "student, stage 1 only"  # with --stage2-steps: the student before its LoRA correction
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf", "llama-tiny.gguf")
 
 
@@ -124,214 +114,33 @@ def load_teacher(args):
     return loaded.model, loaded.variables, loaded.tokenizer, str(loaded.source)
 
 
-def check_tasks(tok, args) -> None:
-    """Refuse, before any training, a label task whose label words the tokenizer cannot score (each
-    must be one distinct token: label-restricted argmax reads one logit per label)."""
-    for name in args.tasks:
-        task = data.load_task(name, args.data_dir)
-        if task.labels is not None:
-            try:
-                data.check_label_words(task.labels, tok, prefix=data.template_for(task).label_prefix)
-            except LiniclError as e:
-                raise LiniclError(f"--tasks {name}: a label task is scored by its label words {list(task.labels)}, "
-                                  f"which this tokenizer cannot score: {e}") from None
-
-
-def row_bos(tok, args):
-    """The id every training and held-out row starts with: BOS when ``--bos`` (auto: the tokenizer's
-    convention; Gemma yes, SmolLM2 no) says so, else None."""
-    add = tok.adds_bos if BOS_FLAG[args.bos] is None else BOS_FLAG[args.bos]
-    return tok.bos_id if add else None
-
-
-def train_text(teacher, tv, tok, args):
-    """Few-shot text from the training splits, plus ``--sampled-seqs`` rows sampled from the teacher."""
-    seqs = linearize.training_sequences(tok, TRAIN_TASKS if not args.quick else ("antonym", "sst2"),
-                                        n=args.train_seqs, length=args.seq_len, seed=args.seed,
-                                        data_dir=args.data_dir, bos=row_bos(tok, args))
-    if not args.sampled_seqs:
-        return seqs
-    rows = np.random.default_rng([args.seed, 17]).integers(0, len(seqs), args.sampled_seqs)
-    sampled = linearize.sampled_sequences(teacher, tv, seqs[rows, :8], args.seq_len, seed=args.seed)
-    return np.concatenate([seqs, sampled])
-
-
-def stage1(teacher, tv, tok, args, seqs):
+def stage1(teacher, tv, args, seqs):
+    """The student and its maps: loaded (--maps), from a stage-1 checkpoint, or trained."""
     student = linicl.Transformer(linearize.student_config(
         teacher.cfg, window=args.window, sinks=args.sinks, feature_size=args.feature_size, rope_on=args.rope_on))
     if args.maps:
         student, sv, meta = linearize.load_maps(args.maps, teacher, tv)
         return student, sv, dict(loaded=args.maps, meta=meta)
     sv = linearize.student_variables(student, tv, seed=args.seed)
+    maps, name = os.path.join(args.out, "maps.safetensors"), args.model or "SmolLM2"
     if args.from_checkpoint:
-        sv, info = linearize.maps_from_checkpoint(args.from_checkpoint, student, sv)
-        tokens = info["step"] * info["settings"]["batch_size"] * info["settings"]["sequences"][1]
-        linearize.save_maps(os.path.join(args.out, "maps.safetensors"), student, sv,
-                            meta=dict(tokens=tokens, steps=info["step"], teacher=args.model or "SmolLM2"))
-        return student, sv, dict(history=info["history"], tokens_seen=tokens, steps_reached=info["step"],
-                                 of_steps=info["settings"]["steps"], checkpoint=args.from_checkpoint)
-    t0 = time.perf_counter()
-    sv, hist = linearize.train_maps(teacher, tv, student, sv, seqs, steps=args.steps, batch_size=args.batch_size,
-                                    lr=args.lr, seed=args.seed, progress=args.progress,
-                                    checkpoint=os.path.join(args.out, "stage1.safetensors"))
-    wall = time.perf_counter() - t0
-    tokens = args.steps * args.batch_size * args.seq_len
-    linearize.save_maps(os.path.join(args.out, "maps.safetensors"), student, sv,
-                        meta=dict(tokens=tokens, steps=args.steps, seq_len=args.seq_len,
-                                  teacher=args.model or "SmolLM2"))
-    return student, sv, dict(history=hist._asdict(), wall_s=wall, tokens_seen=tokens,
-                             train_sequences=list(seqs.shape))
-
-
-def stage2(teacher, tv, student, sv, args, s1: dict, seqs):
-    """LoRA distillation on the stage-1 student (the same training text); the maps file gets the
-    correction beside the maps. Returns the corrected variables and the stage's record."""
-    t0 = time.perf_counter()
-    sv2, correction, hist = linearize.train_lora(
-        teacher, tv, student, sv, seqs, rank=args.lora_rank, steps=args.stage2_steps,
-        batch_size=args.stage2_batch_size, lr=args.stage2_lr, seed=args.seed, progress=args.progress,
-        checkpoint=os.path.join(args.out, "stage2.safetensors"))
-    tokens = args.stage2_steps * args.stage2_batch_size * args.seq_len
-    meta = dict(tokens=s1.get("tokens_seen", (s1.get("meta") or {}).get("tokens")), stage2_tokens=tokens, stage2_steps=args.stage2_steps,
-                lora_rank=args.lora_rank, seq_len=args.seq_len, teacher=args.model or "SmolLM2")
-    linearize.save_maps(os.path.join(args.out, "maps.safetensors"), student, sv2, meta=meta, lora=correction)
-    return sv2, dict(history=hist._asdict(), wall_s=time.perf_counter() - t0, tokens_seen=tokens,
-                     rank=args.lora_rank, lr=args.stage2_lr)
+        return (student, *linearize.checkpoint_stage(args.from_checkpoint, student, sv, maps_path=maps, teacher_name=name))
+    return (student, *linearize.transfer_stage(
+        teacher, tv, student, sv, seqs, maps_path=maps, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        seed=args.seed, progress=args.progress, checkpoint=os.path.join(args.out, "stage1.safetensors"),
+        teacher_name=name))
 
 
 def held_out(teacher, tv, student, sv, tok, args, stage1_sv=None) -> dict:
-    """Next-token loss of held-out text; ``stage1_sv``: the student before stage 2 (a row of its own)."""
-    seqs = linearize.training_sequences(tok, args.tasks, n=args.eval_seqs, length=args.eval_len,
-                                        seed=args.seed + 1, split="test", data_dir=args.data_dir,
-                                        bos=row_bos(tok, args))
-    out = {"softmax": linearize.next_token_loss(teacher, tv, seqs, batch_size=2),
-           "student": linearize.next_token_loss(student, sv, seqs, batch_size=2)}
+    """Next-token loss of held-out text (test splits): softmax, student, the student before stage 2
+    (``stage1_sv``) and the student with other windows/sinks (the same maps)."""
+    seqs = linearize.training_sequences(tok, args.tasks, n=args.eval_seqs, length=args.eval_len, seed=args.seed + 1,
+                                        split="test", data_dir=args.data_dir, bos=linearize.bos_for(tok, BOS_FLAG[args.bos]))
+    models = {"softmax": (teacher, tv), "student": (student, sv)}
     if stage1_sv is not None:
-        out["student, stage 1 only"] = linearize.next_token_loss(student, stage1_sv, seqs, batch_size=2)
-    for window, sinks in ((0, 0), (0, args.sinks), (args.window, 0), (4 * args.window, args.sinks)):
-        if (window, sinks) == (args.window, args.sinks):
-            continue
-        other = linicl.Transformer(student.cfg.replace(window=window, sinks=sinks))
-        out[f"student w{window} s{sinks} (same maps)"] = linearize.next_token_loss(other, sv, seqs, batch_size=2)
-    for v in out.values():
-        v.pop("per_position")
-    return out
-
-
-def icl(teacher, tv, student, sv, tok, args, prog: reporting.Progress, stage1_sv=None) -> dict:
-    """Per task and k: softmax, student, student with the demonstrations converted (query alone), and
-    the softmax model with the demonstrations as learned-kernel bias terms. Each finished (task, k) cell
-    is saved in ``prog`` at once and reused by a resumed run."""
-    # The headline cells first (zero-shot and the largest k of every task), so that an interrupted run
-    # has the issue's measure; the other k after. The returned dict is in task, k order either way.
-    first = {0, max(args.k)}
-    cells = ([(name, k) for name in args.tasks for k in args.k if k in first]
-             + [(name, k) for name in args.tasks for k in args.k if k not in first])
-    bar = tqdm(total=len(cells), desc="ICL cells", disable=not args.progress)
-    for name, k in cells:
-        key = f"{name} k={k}"
-        bar.set_postfix_str(key)
-        if prog.get(key) is None:
-            t0 = time.perf_counter()
-            prog.put(key, icl_cell(teacher, tv, student, sv, tok, data.load_task(name, args.data_dir), k, args,
-                                   stage1_sv) | {"wall_s": time.perf_counter() - t0})
-        bar.update(1)
-    bar.close()
-    return {f"{name} k={k}": prog.get(f"{name} k={k}") for name in args.tasks for k in args.k}
-
-
-def icl_cell(teacher, tv, student, sv, tok, task, k: int, args, stage1_sv=None) -> dict:
-    """One (task, k) cell of ``icl``: every method's summary, correct flags and predictions
-    (``stage1_sv``: the student before stage 2, one more method). A label task (``task.labels``) is
-    scored by label-restricted argmax over its label words, an open-ended one by exact match."""
-    name = task.name
-    template = data.template_for(task)
-    prompts = data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n_eval, template=template,
-                                  same_demos=True, add_bos=BOS_FLAG[args.bos])
-    common = dict(tokenizer=tok, prompts=prompts, task=name, k=k, progress=False, labels=task.labels,
-                  label_prefix=template.label_prefix)
-    res = {"softmax": evaluate_prompts(teacher, tv, **common),
-           "student": evaluate_prompts(student, sv, **common)}
-    if stage1_sv is not None:
-        res[STAGE1] = evaluate_prompts(student, stage1_sv, **common)
-    n = prompts[0].query_start
-    if n:  # the shared demonstrations (and BOS) become the student's weights
-        converted = iclca.convert(student, sv, jnp.asarray(prompts[0].tokens[:n])[None])
-        alone = [dataclasses.replace(p, tokens=p.tokens[n:], roles=p.roles[n:], query_start=0)
-                 for p in prompts]
-        res["student converted"] = evaluate_prompts(student, converted, **dict(common, prompts=alone))
-    if n and not args.skip_approx:
-        # The unmodified softmax model with its demonstrations as learned-kernel bias terms; the
-        # student's sinks and the prompt tokens in its window at the first query token stay exact.
-        cfg = student.cfg
-        approx = iclca.convert_approx(teacher, tv, jnp.asarray(prompts[0].tokens[:n])[None],
-                                      kernel="learned", maps=sv, sinks=min(cfg.sinks, n),
-                                      window=min(max(cfg.window - 1, 0), max(n - cfg.sinks, 0)))
-        res[APPROX] = evaluate_prompts(teacher, approx, **dict(common, prompts=alone))
-        res[KEPT_ONLY] = evaluate_prompts(teacher, iclca.drop_approx_terms(approx), **dict(common, prompts=alone))
-    row = {m: r.summary() | {"correct": r.correct.astype(int).tolist(), "predictions": list(r.predictions)}
-           for m, r in res.items()}
-    if "student converted" in res:  # exact conversion: the same answers, by construction
-        row["converted_same_answers"] = res["student converted"].predictions == res["student"].predictions
-    row["prompt_tokens"] = int(n)  # demonstrations (and BOS): compare with the window
-    return row
-
-
-def gains(rows: dict, args) -> dict:
-    """Per task: the softmax few-shot gain at the largest k and the share the student keeps."""
-    k = max(args.k)
-    out = {}
-    for name in args.tasks:
-        zero, few = rows.get(f"{name} k=0"), rows.get(f"{name} k={k}")
-        if zero is None or few is None:
-            continue
-        g = stats.gain(few["softmax"]["correct"], zero["softmax"]["correct"])
-        rec = stats.recovered(few["student"]["correct"], few["softmax"]["correct"], zero["softmax"]["correct"])
-        out[name] = dict(k=k, gain=g._asdict(), student_recovered=None if rec is None else rec._asdict())
-        for m, field in ((APPROX, "learned_kernel_recovered"), (KEPT_ONLY, "kept_only_recovered"),
-                         (STAGE1, "stage1_recovered")):
-            if m in few:
-                ap = stats.recovered(few[m]["correct"], few["softmax"]["correct"], zero["softmax"]["correct"])
-                out[name][field] = None if ap is None else ap._asdict()
-    return out
-
-
-def pooled_gain(rows: dict, args) -> dict | None:
-    """The issue's headline: the softmax gain at the largest k averaged over the tasks (their queries
-    pooled, equal numbers per task) and the share of it each method keeps, with bootstrap intervals."""
-    k = max(args.k)
-    names = [t for t in args.tasks if f"{t} k=0" in rows and f"{t} k={k}" in rows]
-    if not names or k == 0:
-        return None
-    flat = lambda cell, m: np.concatenate([rows[f"{t} k={cell}"][m]["correct"] for t in names])  # noqa: E731
-    zero, few = flat(0, "softmax"), flat(k, "softmax")
-    out = dict(k=k, tasks=names, n=int(zero.size), gain=stats.gain(few, zero)._asdict())
-    for m in ("student", STAGE1, APPROX, KEPT_ONLY):
-        if all(m in rows[f"{t} k={k}"] for t in names):
-            rec = stats.recovered(flat(k, m), few, zero)
-            out[m] = None if rec is None else rec._asdict()
-    if all(APPROX in rows[f"{t} k={k}"] and KEPT_ONLY in rows[f"{t} k={k}"] for t in names):
-        # What the learned kernel adds over the tokens it leaves exact: accuracy, same queries.
-        out["kernel_adds"] = stats.paired_bootstrap(flat(k, APPROX), flat(k, KEPT_ONLY))._asdict()
-    return out
-
-
-def timing(student, sv, args) -> list:
-    rows = []
-    query = jnp.ones((1, 16), jnp.int32)
-    fwd = jax.jit(student.apply)
-    for n in args.lengths:
-        prompt = jax.random.randint(jax.random.PRNGKey(n), (1, n), 0, student.cfg.vocab_size, jnp.int32)
-        converted = iclca.convert(student, sv, prompt)
-        full = jnp.concatenate([prompt, query], axis=1)
-        # The conversion's float32 error on this pretrained student: max |converted - prompted| over
-        # the query logits / max |prompted| (linicl.metrics.rel_err, as linicl verify reports).
-        err = rel_err(fwd(converted, query), fwd(sv, full)[:, n:])
-        rows.append(dict(prompt_len=n, prompted_s=time_call(fwd, sv, full, repeats=3),
-                         converted_s=time_call(fwd, converted, query, repeats=3), logits_rel_err=err,
-                         state_floats=int(sum(x.size for x in jax.tree_util.tree_leaves(converted["prompt_state"]))),
-                         kv_cache_floats=kv_cache_floats(student.cfg, n)))
-    return rows
+        models[STAGE1] = (student, stage1_sv)
+    models |= {name: (m, sv) for name, m in linearize.window_variants(student, window=args.window, sinks=args.sinks).items()}
+    return linearize.held_out_losses(models, seqs)
 
 
 def tables(report: dict) -> str:
@@ -349,7 +158,7 @@ def tables(report: dict) -> str:
     lines += ["ICL accuracy, % [95 % Wilson] (exact match on word tasks, label-restricted on label tasks; "
               "(const) = one answer for every query):", ""]
     present = lambda m: any(m in c for c in report["icl"].values())  # noqa: E731
-    methods = [m for m in ("softmax", "student", STAGE1, "student converted", APPROX, KEPT_ONLY) if present(m)]
+    methods = [m for m in METHODS if present(m)]
     rows = []
     for cell, res in report["icl"].items():
         rows.append([cell + ("" if res.get("converted_same_answers", True) else " (CONVERTED DIFFERS)")] + [(f"{100 * res[m]['accuracy']:.1f} [{100 * res[m]['ci_low']:.1f}, {100 * res[m]['ci_high']:.1f}]"
@@ -359,8 +168,7 @@ def tables(report: dict) -> str:
     def share(r):
         return "n.s. gain" if r is None else f"{r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
     # (method, its field in report["gains"]): the methods this run evaluated
-    kept = [(m, f) for m, f in (("student", "student_recovered"), (STAGE1, "stage1_recovered"),
-                                (APPROX, "learned_kernel_recovered"), (KEPT_ONLY, "kept_only_recovered")) if present(m)]
+    kept = [(m, f) for m, f in RECOVERED.items() if present(m)]
     rows = [[t, g["k"], f"{100 * g['gain']['value']:.1f} [{100 * g['gain']['low']:.1f}, {100 * g['gain']['high']:.1f}]"]
             + [share(g.get(f)) for _, f in kept] for t, g in report["gains"].items()]
     pooled = report.get("pooled_gain")
@@ -397,8 +205,7 @@ def tables(report: dict) -> str:
 def _icl_panel(ax, icl: dict):
     """Accuracy pooled over every task's queries (equal n per task: the mean over tasks) against k,
     with its 95 % Wilson interval."""
-    for m, style in (("softmax", "o-"), ("student", "s--"), (STAGE1, "v--"), ("student converted", "^:"),
-                     (APPROX, "x-."), (KEPT_ONLY, "d:")):
+    for m, style in zip(METHODS, ("o-", "s--", "v--", "^:", "x-.", "d:")):
         counts = {}  # k -> [correct, n]
         for cell in icl.values():
             r = cell.get(m)  # "student converted" has no k = 0 cell: nothing to convert
@@ -444,19 +251,26 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     teacher, tv, tok, source = load_teacher(args)
-    try:
-        check_tasks(tok, args)
+    try:  # a label task whose label words this tokenizer cannot score: refused before any training
+        linearize.check_scorable(tok, args.tasks, args.data_dir)
     except LiniclError as e:
-        print(f"linearize: {e}", file=sys.stderr)
+        print(f"linearize: --tasks {e}", file=sys.stderr)
         return 2
     trains_maps = not (args.maps or args.from_checkpoint)
     # built once for both stages (teacher samples are costly), and only when a stage trains
-    seqs = train_text(teacher, tv, tok, args) if trains_maps or args.stage2_steps else None
-    student, sv, s1 = stage1(teacher, tv, tok, args, seqs)
+    seqs = linearize.training_text(
+        teacher, tv, tok, TRAIN_TASKS if not args.quick else ("antonym", "sst2"), n=args.train_seqs,
+        length=args.seq_len, seed=args.seed, data_dir=args.data_dir, bos=linearize.bos_for(tok, BOS_FLAG[args.bos]),
+        sampled=args.sampled_seqs) if trains_maps or args.stage2_steps else None
+    student, sv, s1 = stage1(teacher, tv, args, seqs)
     s2, sv1 = None, None  # sv1: the student before stage 2, when there is one
     if args.stage2_steps:
         sv1 = sv
-        sv, s2 = stage2(teacher, tv, student, sv, args, s1, seqs)
+        sv, s2 = linearize.distill_stage(
+            teacher, tv, student, sv, seqs, maps_path=os.path.join(args.out, "maps.safetensors"), rank=args.lora_rank,
+            steps=args.stage2_steps, batch_size=args.stage2_batch_size, lr=args.stage2_lr, seed=args.seed,
+            progress=args.progress, checkpoint=os.path.join(args.out, "stage2.safetensors"),
+            stage1_tokens=s1.get("tokens_seen", (s1.get("meta") or {}).get("tokens")), teacher_name=args.model or "SmolLM2")
     if args.train_only:
         s1.update(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                   machine=reporting.machine_info(), stage2=s2)
@@ -471,10 +285,12 @@ def main(argv=None) -> int:
     report["resumed"] = prog.resumed
     report["held_out"] = prog.get("held_out") or prog.put("held_out", held_out(
         teacher, tv, student, sv, tok, args, stage1_sv=sv1))
-    report["icl"] = icl(teacher, tv, student, sv, tok, args, prog, stage1_sv=sv1)
-    report["gains"] = gains(report["icl"], args)
-    report["pooled_gain"] = pooled_gain(report["icl"], args)
-    report["timing"] = timing(student, sv, args)
+    report["icl"] = linearize.icl_table(teacher, tv, student, sv, tok, args.tasks, args.k, store=prog,
+                                        data_dir=args.data_dir, progress=args.progress, seed=args.seed, n_eval=args.n_eval,
+                                        add_bos=BOS_FLAG[args.bos], approx=not args.skip_approx, stage1_variables=sv1)
+    report["gains"] = linearize.gains(report["icl"], args.tasks, max(args.k))
+    report["pooled_gain"] = linearize.pooled_gain(report["icl"], args.tasks, max(args.k))
+    report["timing"] = linearize.conversion_cost(student, sv, args.lengths)
     report["wall_s"] = time.perf_counter() - t0
     reporting.publish(args.out, "linearize", report, tables(report), figure, args.plots)
     return 0

@@ -31,7 +31,9 @@ Methods (``--methods``), each with the floats its state holds for one prompt row
 For every finite-state method the evaluated prompts are also converted (``iclca.convert`` of all but
 the question), and the question read alone must give the prompted model's answers (checked on every
 prompt; the float32 logit error is reported). Accuracies come with 95 % Wilson intervals and paired
-bootstrap differences against the equal-state window.
+bootstrap differences against the equal-state window. The prompts are ``linicl.data.long_context``,
+the methods and their state sizes ``linicl.linearize.baselines``, the scoring
+``linicl.linearize.long_prompts``; this script runs the cells (resumable) and writes the tables.
 
     python experiments/long_context.py --quick                 # tiny fixture model, CI-sized
     python experiments/long_context.py                         # SmolLM2-135M, 0.5K-4K tokens
@@ -43,29 +45,22 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Optional
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 import linicl
-from linicl import data, iclca, linearize, reporting, stats
-from linicl import interventions as iv
+from linicl import linearize, reporting
 from linicl.compiled import enable_persistent_cache
 from linicl.data import long_context as lc
-from linicl.evaluate import evaluate_prompts, greedy_answers
-from linicl.memory import kv_cache_floats
-from linicl.metrics import rel_err
+from linicl.linearize.baselines import EQUAL, RULE_NAMES, compared_methods, student_budget
+from linicl.linearize.long_prompts import oracle_window, score_method, versus_equal_window
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf", "llama-tiny.gguf")
 # Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
                     "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len")
-RULE_NAMES = {"recall": "cache", "attention": "attcache"}  # method-name part of each cache rule
-EQUAL = "equal"  # --windows: the window whose KV cache matches the student's state
 
 
 def parse_args(argv=None):
@@ -116,6 +111,7 @@ def parse_args(argv=None):
     return args
 
 
+
 # ------------------------------------------------------------------------------------ the methods
 def load_models(args):
     """``(teacher, tv, tokenizer, student, sv)``: the teacher and its linearized student."""
@@ -130,179 +126,23 @@ def load_models(args):
     return teacher, tv, loaded.tokenizer, student, sv
 
 
-def student_budget(student) -> int:
-    """The floats the student must keep of a prompt: its state as stored, except that its local layers'
-    exact windows count once per kv head, as a window baseline's KV does (they are softmax windows,
-    which grouped-query heads share; the zoo stores them per query head: benchmarks/decode_memory.py)."""
-    cfg = student.cfg
-    local = [l for l in range(cfg.n_layers) if l not in cfg.global_layers]
-    shared = 2 * cfg.kv_heads * cfg.head_dim * max(cfg.sliding_window - 1, 0)
-    return iclca.state_floats(cfg) - sum(iclca.state_floats(cfg.single_layer(l)) - shared for l in local)
-
-
-def equal_window(student, teacher) -> int:
-    """The largest window W whose KV cache (its W - 1 earlier tokens and the student's sinks, a key and
-    a value per kv head and layer; a local layer's at most its own window) holds no more floats than
-    the student must keep (``student_budget``); at least 1."""
-    return _largest_window(student, teacher, cache=0) or 1
-
-
-def equal_cached_window(student, teacher, cache: int) -> Optional[int]:
-    """The largest window W whose window + attention-chosen cache of ``cache`` tokens (``window_floats``)
-    holds no more floats than the student must keep; None if even W = 1 does not fit."""
-    return _largest_window(student, teacher, cache)
-
-
-def _largest_window(student, teacher, cache: int) -> Optional[int]:
-    """Binary search for the largest W with ``window_floats`` of the window baseline (the student's
-    sinks, ``cache``) <= ``student_budget``; None if W = 1 does not fit. Every token of the window
-    costs at least one layer's key and value, so W - 1 <= budget / (2 kv_heads d_head) bounds it."""
-    budget = student_budget(student)
-    fits = lambda w: window_floats(linearize.window_config(  # noqa: E731
-        teacher.cfg, window=w, sinks=student.cfg.sinks, cache=cache)) <= budget
-    if not fits(1):
-        return None
-    lo, hi = 1, budget // (2 * teacher.cfg.kv_heads * teacher.cfg.head_dim) + 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
-
-
-def window_floats(cfg) -> int:
-    """What a window baseline (its config ``cfg``) must keep of a prompt: the KV of its sinks and last
-    ``window - 1`` tokens, per kv head (its buffers are per query head, which a grouped-query window
-    need not be); with a cache, per global layer and query head (each chooses its own tokens) each
-    cached key, value and score, and the window's scores."""
-    per_head = cfg.cache * (2 * cfg.head_dim + 1) + max(cfg.window - 1, 0) if cfg.cache else 0
-    return kv_cache_floats(cfg, cfg.window - 1 + cfg.sinks) + len(cfg.global_layers) * cfg.n_heads * per_head
-
-
 def methods(teacher, tv, student, sv, args) -> dict:
-    """``{name: (model, variables, finite)}`` in table order."""
-    out = {"softmax": (teacher, tv, False), "student": (student, sv, True)}
-    for c in args.caches:
-        for rule in args.cache_rules if c else ():
-            out[f"student+{RULE_NAMES[rule]}{c}"] = (
-                linicl.Transformer(student.cfg.replace(cache=c, cache_rule=rule)), sv, True)
-    for w in args.windows:
-        w = student.cfg.window if w == "student" else (equal_window(student, teacher)
-                                                       if w == EQUAL else int(w))
-        cfg = linearize.window_config(teacher.cfg, window=w, sinks=student.cfg.sinks)
-        model = linicl.Transformer(cfg)
-        out[f"window{w}"] = (model, linearize.student_variables(model, tv), True)
-    for c in args.window_caches:
-        w = equal_cached_window(student, teacher, c)
-        if w is None:
-            raise SystemExit(f"long_context: --window-caches {c}: a cache of {c} tokens alone holds more "
-                             f"floats than the student's state")
-        model = linicl.Transformer(linearize.window_config(teacher.cfg, window=w, sinks=student.cfg.sinks, cache=c))
-        out[f"window{w}+attcache{c}"] = (model, linearize.student_variables(model, tv), True)
-    if args.methods:
-        unknown = sorted(set(args.methods) - set(out))
-        if unknown:
-            raise SystemExit(f"long_context: unknown --methods {unknown}; these exist: {list(out)}")
-        out = {k: v for k, v in out.items() if k in args.methods}
-    return out
+    """``{name: (model, variables, finite)}`` in table order (``baselines.compared_methods``)."""
+    try:
+        return compared_methods(teacher, tv, student, sv, caches=args.caches, cache_rules=args.cache_rules,
+                                windows=args.windows, window_caches=args.window_caches, only=args.methods)
+    except ValueError as e:
+        raise SystemExit(f"long_context: {e}")
 
 
-# ------------------------------------------------------------------------------------ the probes
-def prompts_for(probe: str, length: int, tok, filler, args) -> list:
-    seed = [args.seed, length]
-    if probe == "passkey":
-        return lc.passkey_prompts(tok, filler, length, args.n, seed=int(np.random.SeedSequence(seed).generate_state(1)[0]))
-    if probe == "kv":
-        return lc.kv_recall_prompts(tok, filler, length, args.n, n_pairs=args.pairs,
-                                    seed=int(np.random.SeedSequence(seed).generate_state(1)[0]))
-    raise ValueError(probe)
-
-
-def converted_check(model, variables, prompts, predictions, tok, max_new: int) -> dict:
-    """Convert each prompt's context (all but the question) and read the question alone: its greedy
-    answer must equal the prompted model's (``predictions``), and its logits the prompted model's at
-    the question (the float32 relative error is reported)."""
-    same, errs = 0, []
-    for p, want in zip(prompts, predictions):
-        ctx, query = jnp.asarray(p.tokens[:p.query_start])[None], p.tokens[p.query_start:]
-        conv = iclca.convert(model, variables, ctx)
-        ref = model.apply(variables, jnp.asarray(p.tokens)[None])[:, p.query_start:]
-        errs.append(float(rel_err(model.apply(conv, jnp.asarray(query)[None]), ref)))
-        got = greedy_answers(model, conv, tok, [query], max_new=max_new, common=dict(batch_size=1, progress=False))
-        same += int(got[0] == want)
-    return dict(answers_equal=same, of=len(prompts), max_rel_err=max(errs))
-
-
-def scored_row(name, correct, predictions, prompts, t0: float) -> dict:
-    """A cell's record of one method: per-prompt correctness and answers, accuracy with its Wilson
-    interval, the time since ``t0`` and the prompts' length."""
-    correct = np.asarray(correct)
-    return dict(method=name, correct=correct.astype(int).tolist(), predictions=list(predictions),
-                accuracy=float(correct.mean()), wilson=list(stats.wilson(int(correct.sum()), len(correct))),
-                n=len(correct), eval_s=time.perf_counter() - t0, tokens=int(len(prompts[0])))
-
-
-def cell(name, model, variables, finite, prompts, tok, args, max_new: int, keyed: bool) -> dict:
-    """One method on one cell's prompts: accuracy (``keyed``: by ``long_context.key_answered``, else
-    exact match as ``linicl.evaluate`` scores), its state's floats, and the converted = prompted check."""
-    t0 = time.perf_counter()
-    res = evaluate_prompts(model, variables, tok, prompts, label_prefix=" ", max_new_tokens=max_new,
-                           batch_size=args.batch_size, progress=False)
-    correct = res.correct
-    if keyed:  # passkey / key-value: the answer's first number must be the key
-        correct = np.asarray([lc.key_answered(a, p.label) for a, p in zip(res.predictions, prompts)])
-    row = scored_row(name, correct, res.predictions, prompts, t0)
-    if finite:
-        row["state_floats"] = (window_floats(model.cfg) if model.cfg.feature_map == "none"
-                               else iclca.state_floats(model.cfg))
-        checked = len(prompts) if args.convert_check is None else min(args.convert_check, len(prompts))
-        if checked:
-            row["converted"] = converted_check(model, variables, prompts[:checked], res.predictions[:checked],
-                                               tok, max_new)
-    else:
-        row["state_floats"] = kv_cache_floats(model.cfg, len(prompts[0]))
-    return row
-
-
-def key_line(prompt) -> tuple:
-    """``(start, end)`` of a passkey prompt's key line: its last run of instruction tokens (with the
-    key at depth 0 the run includes the opening instruction, a few more tokens kept)."""
-    where = np.flatnonzero(np.asarray(prompt.roles) == data.INSTRUCTION)
-    start = where[np.flatnonzero(np.diff(where) > 1)[-1] + 1] if (np.diff(where) > 1).any() else where[0]
-    return int(start), int(where[-1]) + 1
-
-
-def oracle_cell(name, teacher, tv, prompts, tok, args, window: int, sinks: int) -> dict:
-    """The teacher with every layer's attention limited to the sinks, the last ``window`` tokens and
-    the key line (an ``hook_attn_scores`` edit per prompt): an upper bound for a cache of that line."""
-    def keep(x, span, ctx):
-        q_pos, k_pos = ctx["q_pos"][:, None], ctx["k_pos"][None, :]
-        ok = (k_pos < sinks) | (q_pos - k_pos < window) | ((k_pos >= span[0]) & (k_pos < span[1]))
-        return jnp.where(ok, x, -jnp.inf)
-
-    t0, correct, predictions, kept = time.perf_counter(), [], [], []
-    for p in prompts:
-        span = key_line(p)
-        edits = [iv.apply_fn(f"blocks.{layer}.attn.hook_attn_scores", keep, jnp.asarray(span))
-                 for layer in range(teacher.cfg.n_layers)]
-        res = evaluate_prompts(teacher, iv.with_edits(tv, edits, teacher.cfg), tok, [p], label_prefix=" ",
-                               max_new_tokens=8, batch_size=1, progress=False)
-        predictions.append(res.predictions[0])
-        correct.append(lc.key_answered(res.predictions[0], p.label))
-        kept.append(span[1] - span[0])
-    return dict(scored_row(name, correct, predictions, prompts, t0),
-                state_floats=kv_cache_floats(teacher.cfg, window - 1 + sinks + max(kept)))
-
-
-def shot_prompts(task_name: str, k: int, tok, args) -> list:
-    task = data.load_task(task_name, args.data_dir)
-    return data.build_eval_set(task, tok, k=k, seed=args.seed, n_eval=args.n, same_demos=True)
-
-
-def loss_rows(tok, filler, args) -> np.ndarray:
-    """``--loss-seqs`` windows of the filler stream, each ``--loss-len`` (default the longest length) long."""
-    T = args.loss_len or max(args.lengths)
-    starts = np.random.default_rng([args.seed, 7]).integers(0, len(filler) - T, args.loss_seqs)
-    return np.stack([filler[s:s + T] for s in starts])
+def cell_prompts(probe: str, length, tok, filler, args) -> tuple:
+    """A cell's ``(prompts, key)``: a keyed probe at ``length`` tokens (its seed drawn from ``--seed``
+    and the length), or the many-shot cell ``"<task> k=<k>"`` (``length`` None)."""
+    if length is None:
+        task, k = probe.split(" k=")
+        return lc.many_shot_prompts(tok, task, int(k), args.n, seed=args.seed, data_dir=args.data_dir), probe
+    seed = int(np.random.SeedSequence([args.seed, length]).generate_state(1)[0])
+    return lc.probe_prompts(probe, tok, filler, length, args.n, seed=seed, n_pairs=args.pairs), f"{probe} {length}"
 
 
 # ------------------------------------------------------------------------------------ tables
@@ -379,11 +219,7 @@ def main(argv=None) -> int:
     bar = tqdm(total=len(todo) * len(ms), disable=not args.progress, desc="cells")
     cells = {}
     for probe, L in todo:
-        if L is not None:
-            prompts, max_new, key = prompts_for(probe, L, tok, filler, args), 8, f"{probe} {L}"
-        else:
-            task, k = probe.split(" k=")
-            prompts, max_new, key = shot_prompts(task, int(k), tok, args), None, probe
+        prompts, key = cell_prompts(probe, L, tok, filler, args)
         cells[key] = dict(probe=probe.split(" ")[0] if L else probe, tokens=int(max(map(len, prompts))), methods={})
         for name, (model, variables, finite) in ms.items():
             done = prog.get(f"{key} | {name}")
@@ -391,16 +227,17 @@ def main(argv=None) -> int:
                 bar.update()
                 continue
             if done is None:
-                done = prog.put(f"{key} | {name}", cell(name, model, variables, finite, prompts, tok, args,
-                                                         max_new or 8, keyed=L is not None))
+                done = prog.put(f"{key} | {name}", score_method(
+                    name, model, variables, prompts, tok, finite=finite, keyed=L is not None, max_new=8,
+                    batch_size=args.batch_size, convert_check=args.convert_check))
             cells[key]["methods"][name] = done
             bar.update()
         if args.oracle and probe == "passkey":
             name = f"window{student.cfg.window}+oracle"
             done = prog.get(f"{key} | {name}")
             if done is None and not args.finished_only:
-                done = prog.put(f"{key} | {name}", oracle_cell(name, teacher, tv, prompts, tok, args,
-                                                               student.cfg.window, student.cfg.sinks))
+                done = prog.put(f"{key} | {name}", oracle_window(name, teacher, tv, prompts, tok,
+                                                                 window=student.cfg.window, sinks=student.cfg.sinks))
             if done is not None:
                 cells[key]["methods"][name] = done
     bar.close()
@@ -412,9 +249,9 @@ def main(argv=None) -> int:
     report["state_floats"] = {m: r["state_floats"] for c in sorted(cells.values(), key=lambda c: c["tokens"])
                               for m, r in c["methods"].items()}
     report["student_budget"] = student_budget(student)
-    report["vs_equal_window"] = versus(cells, ms)
-    if "loss" in args.probes:
-        rows = loss_rows(tok, filler, args)
+    report["vs_equal_window"] = versus_equal_window(cells, list(ms))
+    if "loss" in args.probes:  # --loss-seqs windows of the filler, --loss-len (default the longest) long
+        rows = lc.filler_windows(filler, args.loss_seqs, args.loss_len or max(args.lengths), seed=[args.seed, 7])
         report["loss"] = {}
         for name, (model, variables, _) in ms.items():
             key = f"loss {rows.shape[1]} | {name}"  # the rows' length: a longer run is another cell
@@ -427,21 +264,6 @@ def main(argv=None) -> int:
     report["wall_s"] = time.perf_counter() - t0
     reporting.publish(args.out, "long_context", report, tables(report), figure, args.plots)
     return 0
-
-
-def versus(cells: dict, ms: dict) -> dict:
-    """Each method minus the equal-state window (largest window baseline), paired over the same prompts."""
-    windows = [m for m in ms if m.startswith("window") and m[len("window"):].isdigit()]
-    if not windows:
-        return {}
-    ref = max(windows, key=lambda m: int(m[len("window"):]))
-    out = {}
-    for key, c in cells.items():
-        if ref not in c["methods"]:
-            continue
-        base = c["methods"][ref]["correct"]
-        out[key] = {m: list(stats.paired_bootstrap(r["correct"], base)) for m, r in c["methods"].items() if m != ref}
-    return dict(reference=ref, differences=out)
 
 
 if __name__ == "__main__":

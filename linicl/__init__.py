@@ -2,8 +2,11 @@
 
 * ``ModelConfig``, ``Transformer``: the model zoo (linear and softmax attention); ``generate``.
 * ``linicl.iclca``: exact conversion of a prompt into linear-attention bias terms (and the
-  approximate one for softmax models).
+  approximate one for softmax models); ``linicl.approx``: the approximate conversion evaluated
+  against the prompted model.
 * ``linicl.implicit``: implicit weight updates; ``linicl.routing``: In-Context Routing.
+* ``linicl.bias_training``: trainable bias terms (B, b) trained against the same model without them
+  (ICLCA Figure 1).
 * ``linicl.lm``: pretrained checkpoints (HF GPT-2/Llama, GGUF, SmolLM2) and their tokenizers.
 * ``linicl.interventions``: the activation cache and edits (TransformerLens-style names);
   ``linicl.activations``: activations over many prompts.
@@ -27,10 +30,11 @@ from linicl.nn import Transformer
 __version__ = "0.1.0"
 
 # Public submodules, loaded on first attribute access.
-SUBMODULES = ("activations", "batching", "capacity", "checkpoint", "cli", "compiled", "config", "data",
-              "diagnostics", "errors", "evaluate", "fidelity", "generation", "iclca", "implicit",
-              "interventions", "kernels", "linearize", "lm", "memory", "metrics", "names", "nn", "parallel",
-              "precision", "recovery", "reporting", "routing", "stats", "timing", "training", "verify")
+SUBMODULES = ("activations", "approx", "batching", "benchmarking", "bias_training", "capacity", "checkpoint",
+              "cli", "compiled", "config", "data", "diagnostics", "errors", "evaluate", "fidelity",
+              "generation", "iclca", "implicit", "interventions", "kernels", "linearize", "lm", "memory",
+              "metrics", "names", "nn", "parallel", "precision", "recovery", "reporting", "routing", "stats",
+              "timing", "training", "verify")
 
 
 def __getattr__(name: str):

@@ -13,7 +13,8 @@ before the epsilon, split into the parts that come from the bias and from the pr
 zero (or below, with a free ``z_bias``) is where the output blows up.
 
 It is computed from the model's own activations (``hook_q``, ``hook_k``) and variables, so
-``normalisers_from`` also works inside a training step that captures those sites anyway.
+``normalisers_from`` also works inside a training step that captures those sites anyway;
+``normaliser_summary`` reduces it to the few minima a training curve records.
 """
 
 from __future__ import annotations
@@ -151,3 +152,33 @@ def normalisers(model, variables: Mapping, tokens) -> list[Normaliser]:
     _check(cfg)
     _, acts = capture(model, variables, tokens, names=normaliser_sites(cfg))
     return normalisers_from(cfg, variables, acts)
+
+
+def normaliser_summary(cfg: ModelConfig, params: Mapping, acts: Mapping[str, jax.Array]) -> dict:
+    """The smallest normalisers over every layer, head, position and row, as ``f[]`` scalars (jit-able,
+    no gradient flows through them):
+
+    * ``den_min``: the smallest phi(q_t) . z_t (bias included, ``attn_eps`` excluded);
+    * ``den_first_min``: the smallest at t = 0, where z holds one key plus the bias;
+    * ``bias_term_min``: the smallest bias part phi(q_t) . gamma^(t+1) z_bias (0 without a bias);
+    * ``z_bias_min``: the most negative entry of any ``z_bias`` (0 without a bias, and at most 0).
+
+    ``z_bias >= 0`` everywhere keeps every denominator positive for any input when the feature map is
+    non-negative (``names.NONNEGATIVE_MAPS``, e.g. elu+1 > 0); a free ``z_bias`` can drive it to zero or
+    below, which ``den_min`` shows.
+
+    Args:
+      cfg: the model's config (a normalised linear attention).
+      params: the model's ``params`` (no stored prompt).
+      acts: at least ``normaliser_sites(cfg)`` of the same call (``normalisers_from``).
+    """
+    acts = jax.lax.stop_gradient(acts)
+    out = dict(den_min=jnp.inf, den_first_min=jnp.inf, bias_term_min=jnp.zeros(()), z_bias_min=jnp.zeros(()))
+    for layer, n in enumerate(normalisers_from(cfg, {names.PARAMS: params}, acts)):
+        out["den_min"] = jnp.minimum(out["den_min"], n.value.min())
+        out["den_first_min"] = jnp.minimum(out["den_first_min"], n.value[:, :, 0].min())
+        out["bias_term_min"] = jnp.minimum(out["bias_term_min"], n.bias.min())
+        if cfg.trainable_bias:
+            z_bias = params[names.layer_scope(layer)]["attn"]["z_bias"]
+            out["z_bias_min"] = jnp.minimum(out["z_bias_min"], z_bias.min())
+    return jax.lax.stop_gradient(out)

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import struct, traverse_util
 from jax.experimental import checkify
 
 from linicl import compiled
@@ -40,8 +40,8 @@ from linicl.interventions import capture
 from linicl.kernels import prompt_kernels
 from linicl.kernels.positions import apply_rope
 from linicl.kernels.softmax_attention import repeat_kv
-from linicl.names import (APPROX_FORMS, APPROX_KERNELS, DECODE, POSITION, PROMPT_APPROX, PROMPT_COLLECTIONS,
-                          PROMPT_STATE, SHORT_CONV_STATE, block_site, layer_scope, scope_layer)
+from linicl.names import (APPROX_FORMS, APPROX_KERNELS, BIAS_PARAMS, DECODE, POSITION, PROMPT_APPROX,
+                          PROMPT_COLLECTIONS, PROMPT_STATE, SHORT_CONV_STATE, block_site, layer_scope, scope_layer)
 from linicl.nn.norms import make_norm
 from linicl.nn.transformer import config_of, position_offset
 
@@ -211,6 +211,25 @@ def nonnegative_z_bias(params):
         last = path[-1]
         return jnp.maximum(leaf, 0) if getattr(last, "key", None) == "z_bias" else leaf
     return jax.tree_util.tree_map_with_path(clip, params)
+
+
+def zero_z_bias(params):
+    """``params`` with every trainable ``z_bias`` set to zero: the projection that trains B alone (the
+    normalisers stay the no-bias model's, the bias acts on the numerator only). Other leaves are
+    returned unchanged (the same arrays)."""
+    def zero(path, leaf):
+        return jnp.zeros_like(leaf) if getattr(path[-1], "key", None) == "z_bias" else leaf
+    return jax.tree_util.tree_map_with_path(zero, params)
+
+
+def without_bias(params) -> dict:
+    """``params`` (a nested dict) without the trainable bias terms (``names.BIAS_PARAMS``: ``S_bias``,
+    ``z_bias``): the parameters of the same model with ``trainable_bias=False``, sharing every other
+    leaf (the same arrays)."""
+    if not isinstance(params, Mapping):
+        raise LiniclError(f"without_bias: params must be a nested dict of parameters, got {type(params).__name__}")
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({k: v for k, v in flat.items() if k[-1] not in BIAS_PARAMS})
 
 
 def strip(variables: Variables) -> dict:

@@ -108,10 +108,21 @@ EVAL_METRICS = ("label",) + OPEN_METRICS
 # cross-entropy of the router's loss (over the whole vocabulary, as the paper, or over the label words).
 BIAS_SCALES = ("paper", "logit")
 ICR_TARGETS = ("vocab", "labels")
+ICR_BASES = ("pids", "random")  # linicl.routing.fit_bases: the PIDs, or the paper's random-basis control
+ICR_INPUTS = ("lm", "minilm")  # linicl.routing.Arm: what a router reads (the LM's residual, a MiniLM embedding)
 # linicl.parallel: the mesh axes (the batch is split over DATA_AXIS; parameters over both when MODEL_AXIS is there)
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 FV_EFFECTS = ("patching", "attribution")  # linicl.routing.function_vector: how head effects are measured
+# linicl.data.synthetic.token_task: the next-token tasks a name selects (induction, associative recall,
+# a fixed table of facts); MQAR and regression have generators of their own.
+TOKEN_TASKS = ("induction", "recall", "facts")
+# A trainable-bias model's parameters per attention layer (ModelConfig.trainable_bias): the initial
+# state (B, b) of iclca.md, added to the numerator's S and to the normaliser's z.
+BIAS_PARAMS = ("S_bias", "z_bias")
+# linicl.data.long_context.probe_prompts: the long-prompt probes whose answer is a key (scored by
+# long_context.key_answered): a passkey in filler text, key-value lines recalled after more text.
+KEYED_PROBES = ("passkey", "kv")
 
 # ------------------------------------------------------------------------------ collections
 PARAMS = "params"

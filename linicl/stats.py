@@ -12,8 +12,10 @@
   reported only where the gain itself is significant (its interval excludes 0); a method has
   collapsed when it is significantly below zero-shot. Without that guard a ratio of two noisy,
   near-zero differences can say anything (a constant predictor "recovered 300 %").
+* ``spread(xs)``: mean, sample standard deviation, minimum and maximum of a few runs (seeds).
 
-All functions take per-query correctness as bool/0-1 arrays of equal length, in the same query order.
+All functions but ``spread`` take per-query correctness as bool/0-1 arrays of equal length, in the same
+query order.
 """
 
 from __future__ import annotations
@@ -136,4 +138,14 @@ def collapsed(method, zero, **kw) -> bool:
     return paired_bootstrap(method, zero, **kw).high < 0
 
 
-__all__ = ["Interval", "wilson", "paired_bootstrap", "paired_t", "t975", "gain", "recovered", "collapsed", "Z95", "N_BOOT"]
+def spread(xs) -> dict:
+    """``dict(mean, std, min, max)`` of the values ``xs`` (e.g. one final metric per seed), as Python
+    floats; ``std`` is the sample standard deviation (ddof 1), 0 for a single value."""
+    xs = np.asarray(xs, np.float64)
+    if xs.size == 0:
+        raise LiniclError("spread: xs is empty; give at least one value")
+    return dict(mean=float(xs.mean()), std=float(xs.std(ddof=1)) if xs.size > 1 else 0.0,
+                min=float(xs.min()), max=float(xs.max()))
+
+
+__all__ = ["Interval", "wilson", "paired_bootstrap", "paired_t", "t975", "gain", "recovered", "collapsed", "spread", "Z95", "N_BOOT"]

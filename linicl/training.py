@@ -8,11 +8,14 @@ runs its steps in chunks of ``chunk`` optimiser steps, each chunk one ``jax.lax.
 chunk length, and a resumed or re-chunked run sees the same data.
 
 ``warmup_cosine_adam``: Adam with global-norm clipping at 1 and a linear warm-up then a cosine decay
-to ``lr / 10`` over all steps.
+to ``lr / 10`` over all steps. ``warmup_constant_adamw``: AdamW with global-norm clipping at 1, a linear
+warm-up then a constant rate, and weight decay on the matrices only (``decay_mask``).
+``steps_to_threshold``: the first evaluated step at which a curve exceeds a threshold.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -20,10 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import traverse_util
 
 from linicl.errors import LiniclError
 
-__all__ = ["Stage", "warmup_cosine_adam", "scan_chunk", "train_stages"]
+__all__ = ["Stage", "warmup_cosine_adam", "warmup_constant_adamw", "decay_mask", "DECAYED", "scan_chunk",
+           "train_stages", "steps_to_threshold"]
+
+# The parameters weight decay acts on by default: the matrices (dense kernels, token and position
+# embeddings), not LayerNorm scales, projection biases or trainable bias terms (decay would pull those
+# towards zero, for the bias terms the no-bias model).
+DECAYED = ("kernel", "embed", "pos_embed")
 
 
 class Stage(NamedTuple):
@@ -50,6 +60,40 @@ def warmup_cosine_adam(lr: float, total_steps: int, clip: float = 1.0) -> optax.
     warmup = max(1, min(100, total_steps // 10))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total_steps, warmup + 1), end_value=lr / 10)
     return optax.chain(optax.clip_by_global_norm(clip), optax.adam(schedule))
+
+
+def decay_mask(params, decayed=DECAYED) -> dict:
+    """``params``' tree of bools: True at the leaves whose name is in ``decayed`` (the ``mask`` of
+    ``optax.adamw``)."""
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({k: k[-1] in decayed for k in flat})
+
+
+def warmup_constant_adamw(lr: float, warmup: int, weight_decay: float, *, decayed=DECAYED,
+                          clip: float = 1.0) -> optax.GradientTransformation:
+    """AdamW, gradients clipped to global norm ``clip``, the learning rate warmed up linearly from 0 to
+    ``lr`` over ``max(warmup, 1)`` steps and then constant; weight decay ``weight_decay`` on the
+    parameters named in ``decayed`` only (``decay_mask``)."""
+    if not lr > 0:
+        raise LiniclError(f"lr must be > 0, got {lr!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise LiniclError(f"warmup must be an int >= 0, got {warmup!r}")
+    if not weight_decay >= 0:
+        raise LiniclError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    schedule = optax.warmup_constant_schedule(0.0, lr, max(warmup, 1))
+    mask = functools.partial(decay_mask, decayed=tuple(decayed))
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay, mask=mask))
+
+
+def steps_to_threshold(steps: Sequence[int], values: Sequence[float], threshold: float) -> Optional[int]:
+    """The first of ``steps`` whose value (``values``, aligned with ``steps``) exceeds ``threshold``
+    (strictly), or None if none does: e.g. the steps a run took to an in-context accuracy."""
+    if len(steps) != len(values):
+        raise LiniclError(f"steps and values must be aligned, got {len(steps)} steps and {len(values)} values")
+    for s, v in zip(steps, values):
+        if v > threshold:
+            return int(s)
+    return None
 
 
 def scan_chunk(loss_fn: Callable, opt: optax.GradientTransformation, length: int,

@@ -20,8 +20,8 @@ benchmark run, and ``warm_over_cold`` is their ratio. Tasks:
 
 The model of 2 to 4 is SmolLM2-135M (``linicl.lm.smollm2()``, float32), or with ``--quick`` a tiny
 random softmax model (seconds). For every call the JSON has ``first_call_s`` (wall time of the first
-call), its compile part (``trace_s``: Python tracing, ``lower_s``: lowering to StableHLO,
-``backend_s``: XLA compile or loading from the persistent cache; ``compile_s`` their sum), ``run_s``
+call), its compile part (``linicl.timing.CompileMeter``: ``trace_s``: Python tracing, ``lower_s``: lowering
+to StableHLO, ``backend_s``: XLA compile or loading from the persistent cache; ``compile_s`` their sum), ``run_s``
 (the second, identical call: running only) and the persistent cache's hits and misses; each process
 also reports its import and load time and its CPU time. Writes ``OUT/compile_speed.json``.
 """
@@ -33,7 +33,6 @@ import time
 _START = time.perf_counter()  # a child's import time counts from here
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
@@ -42,115 +41,38 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 from linicl import reporting  # noqa: E402
+from linicl.benchmarking import (forward_compile_times, generate_compile_times, scan_over_loop,  # noqa: E402
+                                 tiny_softmax_lm, warm_over_cold)
+from linicl.timing import CompileMeter  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 _MARK = "COMPILE_SPEED_JSON "  # the line of a child's stdout that holds its result
-_DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-              "/jax/core/compile/backend_compile_duration": "backend_s"}
 TASKS = ("verify", "verify_untimed", "generate", "forward", "forward_scan")
-_EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits",
-           "/jax/compilation_cache/cache_misses": "cache_misses"}
 
 
 # ------------------------------------------------------------------------------ in the child process
-class Meter:
-    """Sums jax.monitoring's compile durations and persistent-cache events between ``start`` and
-    ``read`` (the listeners stay registered for the life of the child process)."""
-
-    def __init__(self):
-        from jax import monitoring
-
-        self.totals = collections.Counter()
-        monitoring.register_event_duration_secs_listener(self._duration)
-        monitoring.register_event_listener(self._event)
-
-    def _duration(self, event, seconds, **_):
-        if event in _DURATIONS:
-            self.totals[_DURATIONS[event]] += seconds
-
-    def _event(self, event, **_):
-        if event in _EVENTS:
-            self.totals[_EVENTS[event]] += 1
-
-    def start(self):
-        self.totals.clear()
-
-    def read(self) -> dict:
-        out = {name: float(self.totals[name]) for name in _DURATIONS.values()}
-        out["compile_s"] = sum(out.values())
-        out.update({name: int(self.totals[name]) for name in _EVENTS.values()})
-        return out
-
-
-def _timed_twice(meter: Meter, fn) -> dict:
-    """The first call of ``fn()`` (wall time and its compile part) and a second call (run only)."""
-    import jax
-
-    meter.start()
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    row = dict(first_call_s=time.perf_counter() - t0, **meter.read())
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    row["run_s"] = time.perf_counter() - t0
-    return row
-
-
-def _tiny_lm():
-    import jax
-    import jax.numpy as jnp
-
-    import linicl
-
-    cfg = linicl.ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=256,
-                             attention="softmax", positions="rope")
-    model = linicl.Transformer(cfg)
-    return model, jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))
-
-
 def _load_lm(quick: bool):
     if quick:
-        return _tiny_lm()
+        return tiny_softmax_lm()
     import linicl
 
     model, variables, _ = linicl.lm.smollm2()
     return model, variables
 
 
-def _prompt(n: int):
-    import jax.numpy as jnp
-
-    return jnp.asarray([[1 + (7 * i) % 100 for i in range(n)]], jnp.int32)
-
-
-def child_generate(meter: Meter, quick: bool, lengths: list, new: int) -> dict:
-    import linicl
-
+def child_lm(meter: CompileMeter, task: str, quick: bool, lengths: list, new: int) -> dict:
+    """``generate``, ``forward`` or ``forward_scan``: the model's load time and its calls."""
     t0 = time.perf_counter()
     model, variables = _load_lm(quick)
-    out = dict(load_s=time.perf_counter() - t0, calls=[])
-    for n in lengths:
-        tokens = _prompt(n)
-        row = _timed_twice(meter, lambda: linicl.generate(model, variables, tokens, new))
-        out["calls"].append(dict(prompt_len=n, new=new, **row))
+    out = dict(load_s=time.perf_counter() - t0)
+    if task == "generate":
+        out["calls"] = generate_compile_times(meter, model, variables, lengths, new)
+    else:
+        out["calls"] = forward_compile_times(meter, model, variables, lengths, scan=task == "forward_scan")
     return out
 
 
-def child_forward(meter: Meter, quick: bool, lengths: list, scan: bool = False) -> dict:
-    import jax
-
-    t0 = time.perf_counter()
-    model, variables = _load_lm(quick)
-    forward = jax.jit(model.clone(scan=scan).apply)
-    out = dict(load_s=time.perf_counter() - t0, calls=[])
-    for n in lengths:
-        tokens = _prompt(n)
-        out["calls"].append(dict(prompt_len=n, **_timed_twice(meter, lambda: forward(variables, tokens))))
-    return out
-
-
-def child_verify(meter: Meter, quick: bool, timings: bool) -> dict:
+def child_verify(meter: CompileMeter, quick: bool, timings: bool) -> dict:
     import jax
 
     jax.config.update("jax_enable_x64", True)  # as the `linicl verify` command does
@@ -172,14 +94,12 @@ def child(task: str, quick: bool, lengths: list, new: int) -> dict:
 
     cache = compiled.enable_persistent_cache()  # LINICL_COMPILATION_CACHE, set by the parent
     jax.devices()  # the backend's start is part of a fresh process's cost, as the imports are
-    meter = Meter()
+    meter = CompileMeter()
     import_s = time.perf_counter() - _START
     if task in ("verify", "verify_untimed"):
         result = child_verify(meter, quick, timings=task == "verify")
-    elif task == "generate":
-        result = child_generate(meter, quick, lengths, new)
     else:
-        result = child_forward(meter, quick, lengths, scan=task == "forward_scan")
+        result = child_lm(meter, task, quick, lengths, new)
     return dict(task=task, cache=str(cache), import_s=import_s, process_wall_s=time.perf_counter() - _START,
                 process_cpu_s=time.process_time(), **result)
 
@@ -207,29 +127,6 @@ def smollm2_available() -> bool:
         return smollm2_gguf_path().is_file()
     except LiniclError:  # the package or its file is missing: the SmolLM2 tasks are skipped
         return False
-
-
-def _ratio(warm: float, cold: float) -> float:
-    return warm / cold if cold > 0 else float("nan")
-
-
-def compare(cold: dict, warm: dict) -> dict:
-    """warm / cold of the end-to-end time and of each call's first-call and compile time."""
-    if "total_s" in cold:
-        return dict(total=_ratio(warm["total_s"], cold["total_s"]),
-                    compile=_ratio(warm["compile_s"], cold["compile_s"]))
-    return dict(process=_ratio(warm["process_wall_s"], cold["process_wall_s"]),
-                calls=[dict(prompt_len=c["prompt_len"], first_call=_ratio(w["first_call_s"], c["first_call_s"]),
-                            compile=_ratio(w["compile_s"], c["compile_s"]))
-                       for c, w in zip(cold["calls"], warm["calls"])])
-
-
-def scan_over_loop(loop: dict, scan: dict) -> dict:
-    """``forward_scan`` / ``forward`` of each call's first-call and compile time, cold and warm."""
-    return {phase: [dict(prompt_len=a["prompt_len"], first_call=_ratio(b["first_call_s"], a["first_call_s"]),
-                         compile=_ratio(b["compile_s"], a["compile_s"]))
-                    for a, b in zip(loop[phase]["calls"], scan[phase]["calls"])]
-            for phase in ("cold", "warm")}
 
 
 def print_report(report: dict) -> None:
@@ -294,7 +191,7 @@ def main(argv=None) -> int:
             cache_dir = os.path.join(tmp, task)  # one empty folder per task: cold, then warm
             cold = spawn(task, cache_dir, args)
             warm = spawn(task, cache_dir, args)
-            report["tasks"][task] = dict(cold=cold, warm=warm, warm_over_cold=compare(cold, warm))
+            report["tasks"][task] = dict(cold=cold, warm=warm, warm_over_cold=warm_over_cold(cold, warm))
     done = {t: r for t, r in report["tasks"].items() if "skipped" not in r}
     if "forward" in done and "forward_scan" in done:
         report["scan_over_loop"] = scan_over_loop(done["forward"], done["forward_scan"])

@@ -13,5 +13,11 @@ Modules, one concept each:
   the evaluation of prompted against converted predictions and the classical baselines (least
   squares, averaging, zero).
 
+* ``study``: one model per mixer and task: the run's options (``options``, ``FULL``, ``QUICK``), the
+  configs and stages they give, training (``train``), the checkpoint of each trained model reused
+  under the same settings (``settings``, ``trained``) and the float64 evaluation of every mixer
+  (``run``; the tasks in ``TASKS``).
+* ``report``: the study's tables and figures.
+
 The training loop itself is ``linicl.training``. ``experiments/recall_capacity.py`` runs them all.
 """

@@ -14,7 +14,12 @@ by blank lines), tokenized once and cut to length, so every prompt of a call has
 ``n_tokens`` tokens (BOS included): one compiled shape per length, and lengths that mean what they
 say. The filler never contains a key line. Prompts are ``linicl.data.Prompt``-s whose ``label`` is the
 key without its leading space; ``key_answered`` scores a generated answer (its first number must be the key).
-Roles: BOS, INSTRUCTION (the instruction and the key lines), DEMO_INPUT (filler), QUERY (the question).
+Roles: BOS, INSTRUCTION (the instruction and the key lines), DEMO_INPUT (filler), QUERY (the question);
+``key_line`` finds a passkey prompt's key line by them.
+
+``probe_prompts`` builds either probe by name (``names.KEYED_PROBES``), ``many_shot_prompts`` the third
+long prompt, k demonstrations of a word task shared by every query, and ``filler_windows`` cuts held-out
+sequences from the filler (for next-token loss by position).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from linicl.data.datasets import Example, load_task
-from linicl.data.prompts import BOS, DEMO_INPUT, INSTRUCTION, QUERY, Prompt, TextEncoder, _bos, _encode
+from linicl.data.prompts import (BOS, DEMO_INPUT, INSTRUCTION, QUERY, Prompt, TextEncoder, _bos, _encode,
+                                 build_eval_set)
 from linicl.errors import LiniclError
+from linicl.names import KEYED_PROBES
 
 PASSKEY_INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and "
                        "memorize it. I will quiz you about the pass key.\n\n")
@@ -165,6 +172,51 @@ def kv_recall_prompts(tokenizer: TextEncoder, filler: np.ndarray, n_tokens: int,
     return out
 
 
+
+def probe_prompts(probe: str, tokenizer: TextEncoder, filler: np.ndarray, n_tokens: int, n: int, *, seed: int = 0,
+                  n_pairs: int = 8) -> list:
+    """``n`` prompts of exactly ``n_tokens`` tokens of a keyed probe (``names.KEYED_PROBES``):
+    ``"passkey"`` (``passkey_prompts``) or ``"kv"`` (``kv_recall_prompts`` with ``n_pairs`` lines);
+    deterministic in ``seed``. Either is scored by ``key_answered``."""
+    if probe == "passkey":
+        return passkey_prompts(tokenizer, filler, n_tokens, n, seed=seed)
+    if probe == "kv":
+        return kv_recall_prompts(tokenizer, filler, n_tokens, n, n_pairs=n_pairs, seed=seed)
+    raise LiniclError(f"probe must be one of {KEYED_PROBES}, got {probe!r}")
+
+
+def many_shot_prompts(tokenizer: TextEncoder, task: str, k: int, n: int, *, seed: int = 0, data_dir=None) -> list:
+    """Many-shot ICL: ``n`` test queries of the word task ``task``, each after the same ``k``
+    demonstrations (``build_eval_set`` with ``same_demos=True``: the long context is shared, only the
+    query differs); deterministic in ``seed``. Scored by exact match (``linicl.evaluate``)."""
+    return build_eval_set(load_task(task, data_dir), tokenizer, k=k, seed=seed, n_eval=n, same_demos=True)
+
+
+def filler_windows(filler: np.ndarray, n: int, length: int, *, seed=0) -> np.ndarray:
+    """``int32[n, length]``: ``n`` windows of the filler stream at uniform random starts (they may
+    overlap), e.g. held-out text for next-token loss by position; deterministic in ``seed`` (anything
+    ``np.random.default_rng`` takes)."""
+    if not isinstance(n, int) or n < 1 or not isinstance(length, int) or length < 1:
+        raise LiniclError(f"filler_windows needs ints n >= 1 and length >= 1, got n={n!r}, length={length!r}")
+    if len(filler) <= length:
+        raise LiniclError(f"filler_windows: the filler holds {len(filler)} tokens, not more than length={length}; "
+                          f"read a longer stream (filler_stream(min_tokens=...))")
+    starts = np.random.default_rng(seed).integers(0, len(filler) - length, n)
+    return np.stack([filler[s:s + length] for s in starts])
+
+
+def key_line(prompt: Prompt) -> tuple:
+    """``(start, end)``, the token span of a passkey prompt's key line: its last run of INSTRUCTION
+    tokens (with the key at depth 0 the run also holds the opening instruction, a few more tokens)."""
+    where = np.flatnonzero(np.asarray(prompt.roles) == INSTRUCTION)
+    if where.size == 0:
+        raise LiniclError("key_line: the prompt has no INSTRUCTION tokens; give a passkey prompt")
+    gaps = np.flatnonzero(np.diff(where) > 1)
+    start = where[gaps[-1] + 1] if gaps.size else where[0]
+    return int(start), int(where[-1]) + 1
+
+
 __all__ = ["key_answered", "filler_stream", "passkey_prompt", "passkey_prompts", "kv_recall_prompt", "kv_recall_prompts",
+           "probe_prompts", "many_shot_prompts", "filler_windows", "key_line",
            "PASSKEY_INSTRUCTION", "PASSKEY_LINE", "PASSKEY_QUESTION", "KV_INSTRUCTION", "KV_LINE", "KV_QUESTION",
            "KV_NAMES"]

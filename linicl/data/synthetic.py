@@ -16,6 +16,9 @@ predicted *from the context* (the in-context accuracy is the accuracy there).
 * ``mqar_batch``: multi-query associative recall (Zoology's MQAR, Arora et al. arXiv 2312.04927).
   ``n_pairs`` key-value pairs, then ``n_queries`` of their keys, each followed by its value (the
   model predicts the value at every query key). Keys and values as in ``recall_batch``.
+* ``facts_batch``: keys from a fixed table of facts shared by every sequence, each followed by its
+  value (``facts_table``; ``facts_prompt`` writes the whole table out as one prompt).
+* ``token_task``: the generator of a task by name (``linicl.names.TOKEN_TASKS``) with its sizes bound.
 * ``regression_batch``: in-context linear regression (Garg et al. arXiv 2208.01066), a continuous task:
   per sequence a weight vector w ~ N(0, I) and ``n_examples`` pairs (x_i, y_i = w . x_i + noise), as a
   ``RegressionBatch``; ``regression_embeds`` lays them out as the continuous tokens x_1, y_1, x_2,
@@ -33,15 +36,16 @@ Under ``jax.jit`` pass them as static arguments (``functools.partial`` or ``stat
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from linicl.errors import LiniclError
+from linicl.names import TOKEN_TASKS
 
 __all__ = ["TokenBatch", "RegressionBatch", "induction_batch", "recall_batch", "facts_batch", "facts_table",
-           "mqar_batch", "induction_mask",
+           "facts_prompt", "token_task", "mqar_batch", "induction_mask",
            "regression_batch", "regression_embeds"]
 
 
@@ -213,6 +217,45 @@ def facts_batch(key: jax.Array, batch: int, n_pairs: int, vocab_size: int, n_fac
     L = 2 * n_pairs - 1
     mask = jnp.broadcast_to(jnp.arange(L) % 2 == 0, (batch, L))
     return TokenBatch(seq[:, :-1], seq[:, 1:], mask)
+
+
+def facts_prompt(n_facts: int, vocab_size: int, table_seed: int = 0) -> jax.Array:
+    """``int32[1, 2 * n_facts]``: every fact of ``facts_table`` written out in key order, ``0 f(0) 1 f(1)
+    ... (n_facts - 1) f(n_facts - 1)``, the one prompt that holds the whole table (what a converted
+    prompt, ``iclca.convert``, can store in place of training)."""
+    table = facts_table(n_facts, vocab_size, table_seed)
+    return jnp.stack([jnp.arange(n_facts, dtype=jnp.int32), table], axis=-1).reshape(1, -1)
+
+
+def token_task(task: str, *, vocab_size: int, seq_len: int = 4, n_pairs: int = 1, n_facts: int = 1,
+               distinct: bool = False) -> Callable:
+    """The generator of a next-token task by name, with its sizes bound: ``(key, batch) -> TokenBatch``.
+
+    The sizes a task does not read are ignored; they are checked when the generator is called
+    (``LiniclError``).
+
+    Args:
+      task: one of ``linicl.names.TOKEN_TASKS``: ``"induction"`` (``induction_batch``, reads
+        ``seq_len`` and ``distinct``), ``"recall"`` (``recall_batch``, reads ``n_pairs``) or ``"facts"``
+        (``facts_batch``, reads ``n_pairs`` and ``n_facts``).
+      vocab_size: the vocabulary size.
+      seq_len: ``induction_batch``'s sequence length.
+      n_pairs: the pairs per sequence (recall, facts).
+      n_facts: the size of the shared facts table (facts).
+      distinct: ``induction_batch``'s ``distinct``.
+    Returns:
+      ``functools.partial`` of the generator: call it as ``gen(key, batch=B)``; jit- and vmap-able
+      over the key with ``batch`` bound (``functools.partial(gen, batch=B)``).
+    Raises:
+      LiniclError: an unknown ``task``.
+    """
+    if task == "induction":
+        return functools.partial(induction_batch, seq_len=seq_len, vocab_size=vocab_size, distinct=distinct)
+    if task == "facts":
+        return functools.partial(facts_batch, n_pairs=n_pairs, vocab_size=vocab_size, n_facts=n_facts)
+    if task == "recall":
+        return functools.partial(recall_batch, n_pairs=n_pairs, vocab_size=vocab_size)
+    raise LiniclError(f"task must be one of {TOKEN_TASKS}, got {task!r}")
 
 
 def mqar_batch(key: jax.Array, batch: int, n_pairs: int, n_queries: int, vocab_size: int,

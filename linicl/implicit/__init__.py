@@ -54,7 +54,10 @@ Modules, one concept each:
 * ``conversion``: a prompt as weights (``convert``) or as MLP edits (``convert_edits``);
 * ``gd``: Dherin's implicit gradient descent (``trajectory``, ``gradient``, ``subcontext``);
 * ``linear``: the closed-form context term of unnormalised linear attention (``context_term``), gated
-  and delta-rule mixers included.
+  and delta-rule mixers included;
+* ``regression``: Innocenti & Achour's experiment, a transformer trained on in-context linear
+  regression (``fig1_config``) with its updates probed at every step (``train_with_probes``,
+  ``step_metrics``, ``exactness``).
 """
 
 from linicl.implicit.blocks import Pieces, alone, block_sites, pieces
@@ -65,10 +68,13 @@ from linicl.implicit.metrics import alignment, frobenius, msd
 from linicl.implicit.model import ModelUpdates, capture_blocks, implied_all, stack_blocks, updates
 from linicl.implicit.operators import (Update, degenerate, delta_b, dense, factors, first_matrices,
                                        has_bias_shift, implied, patch, update)
+from linicl.implicit.regression import (exactness, fig1_config, last_block_prediction, patched_network_prediction,
+                                        step_metrics, train_with_probes)
 from linicl.names import REFERENCES
 
 __all__ = ["Pieces", "Update", "ModelUpdates", "Trajectory", "REFERENCES", "block_sites", "alone", "pieces",
            "first_matrices", "degenerate", "factors", "delta_b", "update", "dense", "patch", "implied",
            "frobenius", "alignment", "msd", "stack_blocks", "capture_blocks", "updates", "implied_all",
            "convert", "convert_edits", "subcontext", "trajectory", "gradient", "gd_loss", "context_term",
-           "has_bias_shift"]
+           "has_bias_shift", "fig1_config", "last_block_prediction", "patched_network_prediction", "step_metrics",
+           "exactness", "train_with_probes"]

@@ -117,3 +117,27 @@ def retrieval_sequences(tokenizer, *, n: int, length: int, seed: int = 0, data_d
                                          add_bos=add_bos)
         rows.append(np.concatenate([prompt.tokens, np.asarray(answer, np.int32)]))
     return np.stack(rows).astype(np.int32)
+
+
+def bos_for(tokenizer, add: Optional[bool] = None) -> Optional[int]:
+    """The id every training and held-out row starts with (``training_sequences``' ``bos``): the
+    tokenizer's BOS when ``add`` is True, none when False, and with ``add=None`` the tokenizer's own
+    convention (``tokenizer.adds_bos``: Gemma starts with BOS, SmolLM2 does not)."""
+    if add is not None and not isinstance(add, bool):
+        raise LiniclError(f"add must be True, False or None (the tokenizer's convention), got {add!r}")
+    add = tokenizer.adds_bos if add is None else add
+    return tokenizer.bos_id if add else None
+
+
+def training_text(teacher, variables, tokenizer, tasks: Sequence[str], *, n: int, length: int, seed: int = 0,
+                  data_dir=None, bos: Optional[int] = None, sampled: int = 0) -> np.ndarray:
+    """``int32[n + sampled, length]``: the stage-1 and stage-2 training text, ``training_sequences`` of
+    ``tasks`` followed by ``sampled`` rows sampled from the teacher (``sampled_sequences``), each
+    continuing the first 8 tokens of a training row drawn at random (seeded)."""
+    if not isinstance(sampled, (int, np.integer)) or isinstance(sampled, bool) or sampled < 0:
+        raise LiniclError(f"sampled must be a nonnegative int (rows sampled from the teacher), got {sampled!r}")
+    seqs = training_sequences(tokenizer, tasks, n=n, length=length, seed=seed, data_dir=data_dir, bos=bos)
+    if not sampled:
+        return seqs
+    rows = np.random.default_rng([seed, 17]).integers(0, len(seqs), sampled)
+    return np.concatenate([seqs, sampled_sequences(teacher, variables, seqs[rows, :8], length, seed=seed)])

@@ -41,6 +41,23 @@ Modules, one concept each:
   restores the gold answer on prompts with wrong demo labels (``head_effects``, by activation patching
   or its first-order estimate), their mean outputs projected by ``o`` and summed (``function_vector``),
   added like a task vector.
+
+The protocol of the paper's experiment (routing.md section 5; ``experiments/routing.py``), a module a step:
+
+* ``arms``: ``ARMS``, name -> ``Arm`` (basis, bias scale, CE target, router input) of each router
+  compared, and ``RANDOM_CONTROLS``, each PID arm's random-basis control.
+* ``prompts``: the protocol's seeded prompts: ``zero_shot_prompts``, ``few_shot_prompts`` (the PIDs'),
+  ``balanced_prompts`` (the in-domain few-shot baseline), ``multi_task_prompts`` (the paper's
+  out-of-domain one), ``wrong_label_prompts`` (the function vector's), ``calibration_prompts``.
+* ``preparation``: over a suite of in-domain tasks, each part kept in a folder as it is made:
+  ``gather_pid_activations``, ``gather_training_data`` (with the sentence embeddings), ``fit_bases``
+  (PIDs and the random basis, paper's bias and logit scale).
+* ``evaluation``: ``evaluate_task``, one task's row per seed over zero-shot, few-shot, task vector,
+  function vector (``function_vectors``, ``task_function_vector``) and each router (``RoutedMethod``,
+  ``routed_methods``).
+* ``summary``: ``merge_row``, ``pool_seeds``, ``aligned``, ``compare``, ``pooled_difference``,
+  ``summarise`` (group averages, paired comparisons with zero-shot, collapses, the targets).
+* ``report``: ``results_table``, ``bias_lines``, ``results_figure`` and the formatters they use.
 """
 
 from linicl.routing.baselines import task_vector, task_vector_edits
@@ -51,10 +68,27 @@ from linicl.routing.pids import (PIDs, extract_pids, fit_pids, on_logit_scale, p
 from linicl.routing.router import (Router, bias_size, entry_residuals, icr_forward, input_width, load_router,
                                    make_router, routed_logits, router_input, routing_edits, save_router)
 from linicl.routing.training import LossWeights, TrainingData, alpha_schedule, icr_loss, prepare, train_router
+from linicl.routing.arms import ARMS, RANDOM_CONTROLS, Arm
+from linicl.routing.prompts import (balanced_prompts, calibration_prompts, few_shot_prompts, multi_task_prompts,
+                                    wrong_label_prompts, zero_shot_prompts)
+from linicl.routing.preparation import fit_bases, gather_pid_activations, gather_training_data
+from linicl.routing.evaluation import (RoutedMethod, evaluate_task, function_vectors, routed_methods,
+                                       task_function_vector)
+from linicl.routing.summary import (ROW_FIELDS, aligned, compare, merge_row, method_names, pool_seeds,
+                                    pooled_difference, summarise)
+from linicl.routing.report import (CONSTANT_MARK, bias_lines, fmt_accuracy, fmt_comparison, fmt_interval,
+                                   results_figure, results_table)
 
 __all__ = ["routed_layers", "pca", "PIDs", "extract_pids", "pid_activations", "fit_pids", "random_basis", "on_logit_scale", "Router", "bias_size", "make_router", "routing_edits",
            "input_width", "entry_residuals",
            "router_input", "routed_logits", "icr_forward", "save_router", "load_router", "TrainingData",
            "prepare", "LossWeights", "icr_loss", "alpha_schedule", "train_router", "task_vector",
            "task_vector_edits", "mean_head_outputs", "head_effects", "top_heads", "function_vector",
-           "function_vector_heads"]
+           "function_vector_heads",
+           # the protocol of the paper's experiment
+           "Arm", "ARMS", "RANDOM_CONTROLS", "zero_shot_prompts", "few_shot_prompts", "balanced_prompts",
+           "multi_task_prompts", "wrong_label_prompts", "calibration_prompts", "gather_pid_activations",
+           "gather_training_data", "fit_bases", "RoutedMethod", "routed_methods", "evaluate_task",
+           "function_vectors", "task_function_vector", "ROW_FIELDS", "merge_row", "method_names", "pool_seeds",
+           "aligned", "compare", "pooled_difference", "summarise", "CONSTANT_MARK", "fmt_accuracy", "fmt_interval",
+           "fmt_comparison", "results_table", "bias_lines", "results_figure"]

@@ -1,6 +1,8 @@
 """Long-prompt probes (linicl.data.long_context): exact token lengths, the key line where the depth
 says, key-value lines spread through the filler, the question last, seeds, and clear errors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -83,3 +85,38 @@ def test_bad_arguments_are_named(call, match):
                                            (" 12345 86556", False), (" no digits", False), ("", False)])
 def test_a_key_is_answered_by_the_first_number(answer, right):
     assert lc.key_answered(answer, "86556") == right
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.4, 1.0])
+def test_key_line_is_the_span_of_the_key_line(depth):
+    p = lc.passkey_prompt(TOK, FILLER, 600, "54321", depth)
+    start, end = lc.key_line(p)
+    line = TOK.decode(p.tokens[start:end].tolist())
+    assert line.endswith(lc.PASSKEY_LINE.format(key="54321"))  # at depth 0 the instruction comes with it
+    assert np.all(p.roles[start:end] == INSTRUCTION) and p.roles[end] != INSTRUCTION
+    if depth > 0:
+        assert line == lc.PASSKEY_LINE.format(key="54321")
+    with pytest.raises(LiniclError, match="INSTRUCTION"):
+        lc.key_line(dataclasses.replace(p, roles=np.full_like(p.roles, DEMO_INPUT)))
+
+
+def test_probe_prompts_by_name_are_the_builders_own():
+    for probe, direct in (("passkey", lambda: lc.passkey_prompts(TOK, FILLER, 400, 2, seed=5)),
+                          ("kv", lambda: lc.kv_recall_prompts(TOK, FILLER, 400, 2, n_pairs=3, seed=5))):
+        got = lc.probe_prompts(probe, TOK, FILLER, 400, 2, seed=5, n_pairs=3)
+        assert [p.tokens.tolist() for p in got] == [p.tokens.tolist() for p in direct()]
+    with pytest.raises(LiniclError, match="probe must be one of"):
+        lc.probe_prompts("shots", TOK, FILLER, 400, 2)
+
+
+def test_filler_windows_are_seeded_slices_of_the_stream():
+    rows = lc.filler_windows(FILLER, 3, 50, seed=[0, 7])
+    assert rows.shape == (3, 50) and rows.dtype == FILLER.dtype
+    starts = np.random.default_rng([0, 7]).integers(0, len(FILLER) - 50, 3)
+    for row, s in zip(rows, starts):
+        np.testing.assert_array_equal(row, FILLER[s:s + 50])
+    with pytest.raises(LiniclError, match="longer stream"):
+        lc.filler_windows(FILLER[:50], 1, 50)
+    with pytest.raises(LiniclError, match="n >= 1"):
+        lc.filler_windows(FILLER, 0, 50)
+

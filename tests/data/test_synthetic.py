@@ -162,3 +162,25 @@ def test_facts_are_one_table_shared_by_every_sequence():
         facts_table(17, 32)
     with pytest.raises(LiniclError, match="n_pairs"):
         facts_batch(jax.random.PRNGKey(0), 2, 0, 32, 8)
+
+
+def test_token_task_binds_the_sizes_of_the_named_generator():
+    from linicl.data.synthetic import facts_batch, token_task
+    for task, direct in (("induction", lambda k: induction_batch(k, 2, **{"seq_len": 8, "vocab_size": 7})),
+                         ("recall", lambda k: recall_batch(k, 2, n_pairs=3, vocab_size=8)),
+                         ("facts", lambda k: facts_batch(k, 2, n_pairs=3, vocab_size=8, n_facts=4))):
+        gen = token_task(task, vocab_size=7 if task == "induction" else 8, seq_len=8, n_pairs=3, n_facts=4)
+        for got, want in zip(gen(KEY, batch=2), direct(KEY)):
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(LiniclError, match="task must be one of"):
+        token_task("mqar", vocab_size=8)
+
+
+def test_facts_prompt_writes_the_table_out_in_key_order():
+    from linicl.data.synthetic import facts_prompt, facts_table
+    prompt = np.asarray(facts_prompt(5, 12))
+    assert prompt.shape == (1, 10) and prompt.dtype == np.int32
+    np.testing.assert_array_equal(prompt[0, 0::2], np.arange(5))
+    np.testing.assert_array_equal(prompt[0, 1::2], facts_table(5, 12))
+    with pytest.raises(LiniclError, match="n_facts"):
+        facts_prompt(7, 12)

@@ -132,3 +132,10 @@ def test_paired_t_matches_scipy_and_refuses_what_it_cannot_judge():
             S.paired_t(*bad)
     with pytest.raises(LiniclError, match="degrees of freedom"):
         S.t975(0)
+
+
+def test_spread_of_a_few_seeds():
+    assert S.spread([1.0, 2.0, 3.0]) == dict(mean=2.0, std=1.0, min=1.0, max=3.0)
+    assert S.spread(np.array([0.5])) == dict(mean=0.5, std=0.0, min=0.5, max=0.5)
+    with pytest.raises(LiniclError, match="empty"):
+        S.spread([])

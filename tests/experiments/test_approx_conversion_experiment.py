@@ -117,35 +117,3 @@ def test_quick_run_writes_complete_json_and_plots(tmp_path):
     assert resumed["tasks"] == report["tasks"] and resumed["synthetic"] == report["synthetic"]
     assert resumed["skipped"] == report["skipped"] and resumed["recovery"] == report["recovery"]
     assert resumed["timing"]["total_s"] < report["timing"]["total_s"]
-
-
-def _script():
-    from helpers import load_module
-    return load_module(SCRIPT, "approx_conversion")
-
-
-def _tasks(variants: dict) -> dict:
-    """Two tasks whose few-shot gain is 50 points on 40 queries (significant), with each variant's
-    correct flags: "zero" (none of the gain), "prompt" (all of it)."""
-    flags = {"zero": [1] * 10 + [0] * 30, "prompt": [1] * 30 + [0] * 10}
-    methods = {m: {"correct": flags[m]} for m in ("zero", "prompt")}
-    methods.update({v: {"correct": flags[like]} for v, like in variants.items()})
-    return {t: {"k": {"1": {"methods": methods}}} for t in ("antonym", "capitalize")}
-
-
-def test_no_variant_is_named_best_when_they_tie():
-    ac = _script()
-    # Every variant recovers none of the gain: all tie at 0 tasks, none is best.
-    rec = ac.recovery(_tasks({"taylor2": "zero", "prf": "zero"}), ["taylor2", "prf"])
-    assert rec["tasks_with_gain"] == 2 and rec["best_variant"] is None and rec["best_mean_fraction"] is None
-    assert rec["tied_variants"] == ["taylor2", "prf"] and not rec["target_met"]
-    assert ac.best_line(rec) == "no best variant: every variant recovers half the gain on 0 of 2 tasks"
-    # Two variants that recover all of it tie at 2 tasks and the same mean share: a tie, target met.
-    rec = ac.recovery(_tasks({"taylor2": "prompt", "prf": "prompt", "elu+1": "zero"}), ["taylor2", "prf", "elu+1"])
-    assert rec["best_variant"] is None and rec["tied_variants"] == ["taylor2", "prf"] and rec["target_met"]
-    assert ac.best_line(rec) == "no single best variant: taylor2, prf tie at 2 of 2 tasks"
-    # One variant ahead is named.
-    rec = ac.recovery(_tasks({"taylor2": "zero", "prf": "prompt"}), ["taylor2", "prf"])
-    assert rec["best_variant"] == "prf" and rec["tied_variants"] == [] and rec["target_met"]
-    assert rec["best_mean_fraction"] == pytest.approx(1.0)
-    assert ac.best_line(rec) == "best variant prf: 2 of 2 tasks"

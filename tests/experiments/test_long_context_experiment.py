@@ -1,6 +1,7 @@
 """experiments/long_context.py: --help, and the quick run on the tiny fixture model and the committed
 data sample: every probe and method, converted = prompted, complete JSON, a plot, and --resume reuses
-the cells."""
+the cells. The library parts (the equal-state window, the scoring) are tested in
+tests/linearize/test_long_prompts.py."""
 
 import json
 import math
@@ -53,33 +54,3 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = json.loads((tmp_path / "long_context.json").read_text())
     assert resumed["resumed"] and resumed["cells"] == report["cells"] and resumed["wall_s"] < report["wall_s"]
-
-
-def test_the_equal_state_window_counts_local_windows_once_per_kv_head():
-    """Gemma's student stores its exact local windows per query head; the window it is compared with
-    must hold as many floats as the student needs (those windows once per kv head), no more. Without
-    local layers the budget is the state as stored, and W the closed form kv(W - 1 + sinks) <= state."""
-    import linicl
-    from linicl import iclca, linearize
-    from helpers import FIXTURES, load_module
-    lc = load_module(SCRIPT, "long_context_script")
-    for name in ("gemma3-tiny", "llama-tiny"):
-        teacher, _, _ = linicl.lm.from_pretrained(FIXTURES / name)
-        student = linicl.Transformer(linearize.student_config(teacher.cfg, window=4, sinks=1))
-        budget = lc.student_budget(student)
-        w = lc.equal_window(student, teacher)
-        floats = lambda w: lc.window_floats(linearize.window_config(teacher.cfg, window=w, sinks=1))  # noqa: E731
-        assert floats(w) <= budget < floats(w + 1)
-        cfg = teacher.cfg
-        if cfg.has_local_layers:
-            stored = iclca.state_floats(student.cfg)
-            # per query head: each buffered token's key, value and two 1-wide feature slots, and the
-            # zero 1-feature S and z of a window with no linear part
-            per_query_head = cfg.n_heads * ((cfg.sliding_window - 1) * (2 * cfg.head_dim + 2) + cfg.head_dim + 1)
-            per_kv_head = cfg.kv_heads * (cfg.sliding_window - 1) * 2 * cfg.head_dim
-            n_local = cfg.n_layers - len(cfg.global_layers)
-            assert stored - budget == n_local * (per_query_head - per_kv_head) > 0
-        else:
-            assert budget == iclca.state_floats(student.cfg)
-            per_token = 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim
-            assert w == budget // per_token - student.cfg.sinks + 1

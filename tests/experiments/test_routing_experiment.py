@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from helpers import REPO, smollm2_only
-from linicl.stats import wilson
 
 SCRIPT = REPO / "experiments" / "routing.py"
 PHASES = ("load_s", "pids_s", "bases_s", "caching_s", "training_s", "function_vectors_s", "eval_s", "total_s")
@@ -26,104 +25,6 @@ def _script():
 def test_help():
     assert "--quick" in subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True,
                                        text=True).stdout
-
-
-def _row(n: int, **hits) -> dict:
-    """A result row of ``n`` queries, method -> queries right (the first ones, or ``(hits, start)``)."""
-    row, detail = {}, {}
-    for method, h in hits.items():
-        start = 0
-        if isinstance(h, tuple):
-            h, start = h
-        correct = [int(start <= i < start + h) for i in range(n)]
-        distinct = len(set(correct))  # stands in for the predictions: all right or all wrong is constant
-        iv = wilson(h, n)
-        detail[method] = dict(ci_low=iv.low, ci_high=iv.high, distinct=distinct, constant=distinct == 1,
-                              correct=correct)
-        row[method] = h / n
-    return dict(row, n=n, metric="m", detail=detail)
-
-
-def test_summary_counts_only_significant_collapses_and_checks_the_targets():
-    ex = _script()
-    results = {"a": _row(40, **{"zero-shot": 20, "few-shot": 36, "ICR": 28, "task-vector": 19}),
-               "b": _row(40, **{"zero-shot": 20, "few-shot": 18, "ICR": 21, "task-vector": 20}),
-               "c": _row(40, **{"zero-shot": 30, "few-shot": 32, "ICR": 5, "task-vector": 30})}
-    s = ex.summarise(results, {"ID": ["a", "b"], "near": [], "far": ["c"]})
-    assert s["ID"]["ICR"] == pytest.approx(0.6125) and s["OOD"]["ICR"] == pytest.approx(0.125)
-    assert s["far"]["ICR"] == pytest.approx(0.125) and "near" not in s
-    # 19 vs 20 (a) and 18 vs 20 (b) are below zero-shot, but not significantly: no collapse
-    assert s["collapses"] == {"few-shot": 0, "ICR": 1, "task-vector": 0}
-    assert s["collapsed_tasks"]["ICR"] == ["c"]
-    t = s["targets"]["ICR"]
-    assert t["ID_gain_points"] == pytest.approx(11.25) and t["ID_gain_at_least_5_points"] and not t["no_collapses"]
-    pooled = t["ID_gain_pooled"]
-    assert pooled["value"] == pytest.approx(9 / 80) and pooled["low"] <= pooled["value"] <= pooled["high"]
-    # recovered only where the few-shot gain is significant (a: 36 vs 20; not b, not c)
-    rec = s["compare"]["a"]["ICR"]["recovered"]
-    assert rec["value"] == pytest.approx(0.5) and rec["low"] < 0.5 < rec["high"]
-    assert s["compare"]["b"]["ICR"]["recovered"] is None and s["compare"]["c"]["ICR"]["recovered"] is None
-    text = ex.table(results, s)
-    assert "| a | ID | 40 | 50.0 [35.2, 64.8] | 90.0 [76.9, 96.0] | 70.0 [54.6, 81.9] | 47.5 [32.9, 62.5] |" in text
-    assert "| **ID average** | | | 50.0 | 67.5 | 61.3 | 48.8 |" in text
-    assert "| **collapses** | | | - | 0 | 1 | 0 |" in text and "ICR: collapses 1 (c)" in text
-    assert "rec 0.50 [" in text and "COLLAPSED" in text and "Wilson" in text
-
-
-def test_a_method_of_the_id_tasks_only_is_averaged_over_them():
-    """The function vector is an ID baseline (as the paper): OOD rows lack it; averages, comparisons and
-    the table use the tasks that have it and mark the others."""
-    ex = _script()
-    results = {"a": _row(40, **{"zero-shot": 20, "few-shot": 30, "function-vector": 26}),
-               "b": _row(40, **{"zero-shot": 10, "few-shot": 30, "function-vector": 30}),
-               "c": _row(40, **{"zero-shot": 30, "few-shot": 32})}
-    assert ex.method_names(results) == ["zero-shot", "few-shot", "function-vector"]
-    s = ex.summarise(results, {"ID": ["a", "b"], "near": [], "far": ["c"]})
-    assert s["ID"]["function-vector"] == pytest.approx(0.7) and "function-vector" not in s["OOD"]
-    assert s["all"]["function-vector"] == pytest.approx(0.7) and s["all"]["zero-shot"] == pytest.approx(0.5)
-    assert "function-vector" not in s["compare"]["c"] and s["collapses"]["function-vector"] == 0
-    text = ex.table(results, s)
-    assert "| c | far | 40 | 75.0" in text and text.count(" - |") >= 2
-
-
-def test_pids_against_the_random_basis_on_ood_pooled_and_paired():
-    ex = _script()
-    results = {"a": _row(40, **{"zero-shot": 20, "ICR-logit": 25, "ICR-logit-random": 20}),
-               "b": _row(40, **{"zero-shot": 20, "ICR-logit": 20, "ICR-logit-random": 20}),
-               "c": _row(40, **{"zero-shot": 20, "ICR-logit": 30, "ICR-logit-random": 20})}
-    s = ex.summarise(results, {"ID": ["a"], "near": ["b"], "far": ["c"]})
-    vs = s["targets"]["ICR-logit_vs_ICR-logit-random_OOD"]
-    assert vs["value"] == pytest.approx(10 / 80) and vs["low"] > 0  # b: 0, c: +10 of 80 pooled
-    assert "ICR-logit minus ICR-logit-random on the OOD tasks' pooled queries: 12.5" in ex.table(results, s)
-
-
-def test_seeds_pool_and_few_shot_is_compared_on_its_own_items():
-    """Rows of two seeds pool in seed order; a method scored on the first items only (the few-shot
-    baseline) is compared with zero-shot on those items."""
-    ex = _script()
-    one = _row(4, **{"zero-shot": 2, "few-shot": 2, "ICR": 3})
-    for row in (one,):
-        d = row["detail"]["few-shot"]
-        d["correct"], d["items"] = d["correct"][:2], [0, 1]
-        for m in ("zero-shot", "ICR"):
-            row["detail"][m]["items"] = list(range(4))
-    two = _row(4, **{"zero-shot": 1, "few-shot": 4, "ICR": 1})
-    for m in ("zero-shot", "few-shot", "ICR"):
-        two["detail"][m]["items"] = list(range(4))
-    pooled = ex.pool_seeds({"1": two, "0": one})
-    assert pooled["n"] == 8 and pooled["seeds"] == [0, 1]
-    assert pooled["detail"]["few-shot"]["items"] == [0, 1, 4, 5, 6, 7]
-    assert pooled["few-shot"] == pytest.approx(6 / 6) and pooled["zero-shot"] == pytest.approx(3 / 8)
-    few, zero = ex.aligned(pooled, "few-shot", "zero-shot")
-    assert few.tolist() == [1, 1, 1, 1, 1, 1] and zero.tolist() == [1, 1, 1, 0, 0, 0]
-
-
-def test_a_constant_predictor_is_marked():
-    ex = _script()
-    results = {"a": _row(10, **{"zero-shot": 5, "few-shot": 10, "ICR": 10, "task-vector": 0})}
-    text = ex.table(results, ex.summarise(results, {"ID": ["a"], "near": [], "far": []}))
-    assert "100.0 [72.2, 100.0] (const)" in text and "0.0 [0.0, 27.8] (const)" in text
-    assert "50.0 [23.7, 76.3] |" in text  # zero-shot, 5 of 10 right: not constant
 
 
 def test_flags_tasks_arms_seeds_and_bos():
@@ -159,6 +60,8 @@ def test_the_fingerprint_ignores_only_where_the_output_goes():
     assert ex.parse_args(["--protocol", "paper", "--quick"]).n_eval == 8
     # the function vectors' own settings are checked apart (a change redoes only them)
     assert ex.fingerprint(a) == ex.fingerprint(ex.parse_args(["--quick", "--fv-heads", "3", "--fv-screen", "9"]))
+    # the hash a saved run's progress.json carries: --resume of a run made before must find it unchanged
+    assert ex.fingerprint(a) == "6adfae350b63"
 
 
 @smollm2_only

@@ -78,3 +78,31 @@ def test_rechunking_changes_nothing_and_same_data_shares_a_compilation():
     assert seen == [("a", 4, 4), ("a", 1, 5), ("b", 4, 9)]
     with pytest.raises(LiniclError, match="chunk"):
         training.train_stages(params, plan, loss_for, optax.adam(0.05), key, chunk=0)
+
+
+def test_steps_to_threshold_is_the_first_step_strictly_above():
+    assert training.steps_to_threshold([0, 5, 10], [0.1, 0.6, 0.95], 0.5) == 5
+    assert training.steps_to_threshold([0, 5, 10], [0.1, 0.5, 0.95], 0.5) == 10  # strictly above
+    assert training.steps_to_threshold([0, 5, 10], np.array([0.1, 0.6, 0.95]), 0.99) is None
+    with pytest.raises(LiniclError, match="aligned"):
+        training.steps_to_threshold([0, 5], [0.1], 0.5)
+
+
+def test_warmup_constant_adamw_decays_matrices_only_after_a_linear_warmup():
+    """One step from zero gradients moves only the decayed leaves (by lr_t * wd * w, lr_t = lr / warmup
+    after the first step's warm-up), and the rate is constant once warmed up."""
+    params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "embed": jnp.ones(3), "S_bias": jnp.ones(2)}
+    assert training.decay_mask(params) == {"dense": {"kernel": True, "bias": False}, "embed": True, "S_bias": False}
+    opt = training.warmup_constant_adamw(0.1, 4, 0.5)
+    state = opt.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    moved = []
+    for _ in range(6):
+        updates, state = opt.update(zeros, state, params)
+        moved.append(float(-updates["embed"][0]))
+        assert not np.any(np.asarray(updates["dense"]["bias"])) and not np.any(np.asarray(updates["S_bias"]))
+    np.testing.assert_allclose(moved, 0.5 * np.array([0.0, 0.025, 0.05, 0.075, 0.1, 0.1]), rtol=1e-6)
+    with pytest.raises(LiniclError, match="warmup"):
+        training.warmup_constant_adamw(0.1, -1, 0.0)
+    with pytest.raises(LiniclError, match="lr"):
+        training.warmup_constant_adamw(0.0, 1, 0.0)

@@ -3,10 +3,8 @@ by label-restricted argmax over its label words, as linicl.evaluate scores it, n
 task (where the few-shot "gain" is the model learning to answer with a label word at all); a label
 task the tokenizer cannot score is refused before any training, by name."""
 
-import importlib.util
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 from helpers import REPO
@@ -21,25 +19,16 @@ FIXTURE = REPO / "tests" / "fixtures" / "hf" / "llama-tiny.gguf"
 needs_data = pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample (conftest.py)
 
 
-def _experiment():
-    spec = importlib.util.spec_from_file_location("linearize_experiment", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @needs_data
 def test_a_label_task_is_scored_by_its_labels():
     """cb with one-character label words (the fixture's tokenizer spells "true" in several tokens):
     every method predicts a label word, and the softmax model's cell is linicl.evaluate's."""
-    exp = _experiment()
     loaded = linicl.lm.load(FIXTURE, max_len=2048, require_tokenizer=True)
     teacher, tv, tok = loaded.model, loaded.variables, loaded.tokenizer
     student = linicl.Transformer(LZ.student_config(teacher.cfg, window=4, sinks=1))
     sv = LZ.student_variables(student, tv)
     task = data.load_task("cb").relabel(("a", "b", "c"))
-    args = SimpleNamespace(seed=0, n_eval=4, bos="auto", skip_approx=True)
-    row = exp.icl_cell(teacher, tv, student, sv, tok, task, 1, args)
+    row = LZ.icl_cell(teacher, tv, student, sv, tok, task, 1, seed=0, n_eval=4, add_bos=None, approx=False)
     for method in ("softmax", "student", "student converted"):
         assert row[method]["metric"] == "label", method
         assert set(row[method]["predictions"]) <= {"a", "b", "c"}, method
