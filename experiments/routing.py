@@ -287,6 +287,9 @@ def main(argv=None) -> int:
                     target=target, seed=args.seed, progress=args.progress,
                     checkpoint=out(f"ckpt/router_{a}.safetensors"), checkpoint_every=args.checkpoint_every)
                 routing.save_router(out(f"router_{a}"), router, params)
+                # the saved router supersedes its training checkpoint: not carried across sessions twice
+                if os.path.exists(out(f"ckpt/router_{a}.safetensors")):
+                    os.remove(out(f"ckpt/router_{a}.safetensors"))
                 prog.state["history"][a] = history
             log(f"training {a}: final loss {history[-1]['loss']:.3f}, bias size {history[-1]['bias_size']}")
         routers[a] = (arm_pids, router, params, reads == "minilm")

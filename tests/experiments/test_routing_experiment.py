@@ -90,7 +90,8 @@ def test_quick_run_writes_json_and_plot(tmp_path):
         assert f["heads"].shape == (2, 2) and np.sum(~np.isnan(f["effects"])) == 4 and int(f["layer"]) == 10
     assert "**collapses**" in run.stdout and "**collapses**" in (tmp_path / "routing.md").read_text()
     assert (tmp_path / "routing.png").stat().st_size > 0 and (tmp_path / "pids.npz").exists()
-    for name in ("router_ICR.safetensors", "router_ICR-logit-random.safetensors", "ckpt/router_ICR.safetensors",
+    assert not (tmp_path / "ckpt" / "router_ICR.safetensors").exists()  # superseded by the saved router
+    for name in ("router_ICR.safetensors", "router_ICR-logit-random.safetensors",
                  "progress.json", "pid_acts/sst2.npz", "cache/sst2.npz", "pids_random_logit.npz",
                  "cache/sst2.minilm.npz", "router_ICR-minilm.safetensors"):
         assert (tmp_path / name).exists(), name
