@@ -36,10 +36,8 @@ is reduced (100 PID prompts, 1,000 training queries per ID task, 1 epoch, 200 it
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
@@ -162,39 +160,6 @@ def fingerprint(args) -> str:
     return reporting.fingerprint(vars(args), FINGERPRINT_IGNORES)
 
 
-class Progress:
-    """``OUT/progress.json``: the settings' fingerprint, finished phases with their wall seconds,
-    finished (task, seed) rows and training histories; rewritten (atomically) after every step."""
-
-    def __init__(self, out: str, fp: str, resume: bool):
-        self.path = os.path.join(out, "progress.json")
-        self.state = {"fingerprint": fp, "timings": {}, "rows": {}, "eval_s": {}, "history": {}}
-        if resume and os.path.exists(self.path):
-            with open(self.path) as f:
-                old = json.load(f)
-            if old.get("fingerprint") == fp:
-                self.state = old
-            else:
-                raise SystemExit(f"--resume: {self.path} is from other settings ({old.get('fingerprint')} != {fp}); "
-                                 f"use another --out or delete it")
-        self.resumed = bool(self.state["timings"] or self.state["rows"])
-
-    def done(self, phase: str) -> bool:
-        return f"{phase}_s" in self.state["timings"]
-
-    def save(self) -> None:
-        reporting.write_json(self.path, self.state)
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        """Time a phase; time spent in it is added up over resumed sessions."""
-        t0 = time.perf_counter()
-        yield
-        key = f"{name}_s"
-        self.state["timings"][key] = self.state["timings"].get(key, 0.0) + time.perf_counter() - t0
-        self.save()
-
-
 SAVED = ("pid_acts", "cache", "ckpt", "fv", "progress.json", "pids.npz")  # and pids_*.npz, router_*.safetensors
 
 
@@ -226,10 +191,15 @@ def main(argv=None) -> int:
     fp = fingerprint(args)
     if not args.resume:
         clear(args.out)
-    prog = Progress(args.out, fp, args.resume)
+    out = lambda name: os.path.join(args.out, name)  # noqa: E731
+    try:  # progress.json: fingerprint, finished phases (wall seconds), (task, seed) rows, training histories
+        prog = reporting.Progress(out("progress.json"), fp, args.resume, refuse_other=True)
+    except linicl.errors.LiniclError as e:
+        raise SystemExit(f"--resume: {e}")
+    for key in ("rows", "eval_s", "history"):
+        prog.state.setdefault(key, {})
     args.resume = True  # from here on: reuse whatever this run itself saved (and say so in the JSON's args)
     timings = prog.state["timings"]
-    out = lambda name: os.path.join(args.out, name)  # noqa: E731
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
 
     t0 = time.perf_counter()

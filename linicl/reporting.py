@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from linicl.errors import LiniclError
+
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'linicl[plots]')"
 _said_skipped = False  # the line above is printed once per process, however many plots are skipped
 
@@ -248,14 +250,16 @@ class Progress:
 
     ``state`` holds the ``fingerprint`` of the settings, ``results`` (a finished unit's row by key, e.g.
     one task or one (task, k) cell) and ``timings`` (wall seconds by phase name). A file made under other
-    settings, or ``resume=False``, starts afresh (said on stderr when a file is set aside).
+    settings, or ``resume=False``, starts afresh (said on stderr when a file is set aside); with
+    ``refuse_other`` a file made under other settings is an error instead (``LiniclError``: a run whose
+    saved work is expensive should not be thrown away by a mistyped flag).
 
         prog = reporting.Progress(os.path.join(out, "progress.json"), fingerprint(vars(args), ignore), resume)
         for key in cells:
             row = prog.get(key) or prog.put(key, compute(key))
     """
 
-    def __init__(self, path, fp: str, resume: bool = True):
+    def __init__(self, path, fp: str, resume: bool = True, *, refuse_other: bool = False):
         self.path = Path(path)
         self.state = {"fingerprint": fp, "timings": {}, "results": {}}
         if resume and self.path.exists():
@@ -263,6 +267,9 @@ class Progress:
                 old = json.load(f)
             if old.get("fingerprint") == fp:
                 self.state = {**self.state, **old}
+            elif refuse_other:
+                raise LiniclError(f"resume: {self.path} is from other settings ({old.get('fingerprint')} != {fp}); "
+                                  "use another output folder or delete it")
             else:
                 print(f"resume: {self.path} was made under other settings ({old.get('fingerprint')} != {fp}); "
                       "starting afresh", file=sys.stderr)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from linicl import reporting
+from linicl.errors import LiniclError
 from helpers import REPO
 
 
@@ -139,6 +140,15 @@ def test_progress_resumes_only_under_the_same_settings(tmp_path, capsys):
     other = reporting.Progress(path, "fp2")            # other settings: never mixed in
     assert not other.resumed and other.get("cell") is None
     assert "other settings" in capsys.readouterr().err
+
+
+def test_progress_can_refuse_a_file_of_other_settings(tmp_path):
+    path = tmp_path / "progress.json"
+    reporting.Progress(path, "fp1").put("cell", 1)
+    with pytest.raises(LiniclError, match="other settings"):
+        reporting.Progress(path, "fp2", refuse_other=True)
+    assert reporting.Progress(path, "fp1", refuse_other=True).get("cell") == 1  # the file was left as it was
+    assert reporting.Progress(path, "fp2", resume=False, refuse_other=True).get("cell") is None
 
 
 def test_run_logged_keeps_the_output_and_names_the_log_of_a_failure(tmp_path):
