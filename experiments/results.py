@@ -59,7 +59,8 @@ def _carried(name: str, out: Path) -> list:
 
 def save_state(name: str, results: Path) -> None:
     """Copy the carried checkpoint files of an unfinished run into ``STATE/<name>`` (replacing what was
-    there); for a finished run remove that folder."""
+    there); for a finished run remove that folder. With nothing to carry (the run never ran on this machine)
+    the folder is left as it was."""
     spec, out, keep = EXPERIMENTS[name], _out(results, name), STATE / name
     if "carry" not in spec:
         raise SystemExit(f"--save-state: {name} carries no state across sessions")
@@ -68,6 +69,9 @@ def save_state(name: str, results: Path) -> None:
         print(f"{name}: finished; no state kept")
         return
     files = _carried(name, out)
+    if not files:  # not run on this machine (or nothing carried yet): what an earlier session kept stays
+        print(f"{name}: nothing to carry in {out}; {os.path.relpath(keep, ROOT)} left as it was")
+        return
     size, limit = sum((out / f).stat().st_size for f in files), spec.get("state_limit", STATE_LIMIT)
     if size > limit:  # checked before the old state is removed: a refused save keeps what was saved before
         raise SystemExit(f"--save-state: {name}'s carried files are {size / 2**20:.1f} MiB (> {limit >> 20} MiB)")

@@ -88,6 +88,11 @@ def test_an_unfinished_run_carries_its_small_checkpoints_to_a_fresh_machine(tmp_
     assert not (tmp_path / "state" / "routing").exists()
     with pytest.raises(SystemExit, match="carries no state"):
         mod.save_state("verify", tmp_path / "results")
+    # Not run on this machine (a fresh clone without results/): the committed state is not wiped.
+    (tmp_path / "state" / "bias_grid" / "s1").mkdir(parents=True)
+    (tmp_path / "state" / "bias_grid" / "s1" / "summary.json").write_text("{}")
+    mod.save_state("bias_grid", tmp_path / "results")
+    assert (tmp_path / "state" / "bias_grid" / "s1" / "summary.json").exists()
 
 
 def test_the_device_check_is_not_run_here_at_its_default_sizes(tmp_path):
