@@ -53,7 +53,11 @@ EXPERIMENTS = {
         carry=["*/recall_capacity.json"],
         reference="DeltaNet (arXiv 2406.06484) and Gated DeltaNet (arXiv 2412.06464) report the delta rule "
                   "above additive linear attention on MQAR, with short convolutions and far longer training; "
-                  "Zoology (arXiv 2312.04927) plots accuracy against state size."),
+                  "Zoology (arXiv 2312.04927) plots accuracy against state size.",
+        note="recall_capacity's default training (short of the papers' length and of converged curves), not "
+             "Zoology's full grid. Two of the six runs (no convolution, seeds 0 and 1) ran in an earlier "
+             "session and were resumed from their results; the wall time is the process that ran the other "
+             "four, on 2 cores shared with a test-suite run for 40 min of it."),
     "icl_baselines": dict(
         title="Zero- vs k-shot ICL of SmolLM2-135M-Instruct",
         cmd=["experiments/icl_baselines.py"], quick=["--quick"], json="icl_baselines.json",

@@ -19,6 +19,10 @@ from linicl import parallel
 from linicl.errors import LiniclError
 from helpers import REPO
 
+# One worker runs this module: its 8-device subprocess (``eight``, ~70 s) is then made once, not once per
+# xdist worker (``make test`` distributes with --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("sharding")
+
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))
 
 SCRIPT = textwrap.dedent("""
