@@ -316,13 +316,28 @@ def _rerun_greedy(model, variables, tokenizer, rows: list, max_new: int, common:
     return out
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << (n - 1).bit_length()
+
+
+def _decode_steps(model, variables, n: int, max_new: int) -> int:
+    """``max_new`` rounded up to a multiple of 8 where the positions allow it: the decode loop then
+    compiles for a few lengths across tasks (the extra tokens are dropped)."""
+    steps = -(-max_new // 8) * 8
+    room = config_of(model).max_len - int(position_offset(variables)) - n + 1
+    return steps if steps <= room else max_new
+
+
 def _cached_greedy(model, variables, tokenizer, rows: list, max_new: int, common: dict) -> list:
     """Greedy ids per row from ``linicl.generate`` (one prefill, then one cached step per token).
 
     The decode cache and the position counters are one per batch, so rows are grouped by their exact
-    length; each group is cut into batches of ``batch_size`` rows (the last filled with copies of a
-    real row, so every call has one batch shape and the decode step compiles once). Each row's ids are
-    then cut where ``_rerun_greedy`` would have stopped (EOS or a line break)."""
+    length; each group is cut into batches of ``batch_size`` rows, and a smaller batch is filled with
+    copies of a real row up to the next power of two (at most ``log2(batch_size) + 1`` batch shapes to
+    compile, and a group of one prompt, common with many demonstrations, costs one row, not
+    ``batch_size``). Each row's ids are then cut where ``_rerun_greedy`` would have stopped (EOS or a
+    line break)."""
     eos = getattr(tokenizer, "eos_id", None)
     size, stats = common.get("batch_size", 16), common.get("stats")
     groups: dict = {}
@@ -332,12 +347,12 @@ def _cached_greedy(model, variables, tokenizer, rows: list, max_new: int, common
     for n, idx in groups.items():
         for lo in range(0, len(idx), size):
             part = idx[lo:lo + size]
-            tokens = batching.pad_rows(np.stack([rows[i] for i in part]), size)
-            ids = np.asarray(generate(model, variables, tokens, max_new))
+            tokens = batching.pad_rows(np.stack([rows[i] for i in part]), min(size, _pow2(len(part))))
+            ids = np.asarray(generate(model, variables, tokens, _decode_steps(model, variables, n, max_new)))
             padded += tokens.size
             for j, i in enumerate(part):
                 out[i] = []
-                for t in ids[j]:
+                for t in ids[j, :max_new]:
                     out[i].append(int(t))
                     if _answer_done(tokenizer, out[i], eos):
                         break

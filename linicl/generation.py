@@ -114,6 +114,19 @@ def _padded_length(cfg, variables, n: int) -> int:
     return max(n, min(compiled.geometric_bucket(n), cfg.max_len))
 
 
+def _cache_sized(model, slots: int):
+    """The model with its softmax decode cache cut from ``max_len`` slots to the bucket of the
+    ``slots`` a generation fills (``compiled.geometric_bucket``: a handful of shapes to compile).
+    Every decode step reads every slot of the cache, nearly all of them empty for a short answer
+    after a short prompt. Only where ``max_len`` bounds nothing but the cache: positions that are not
+    a learned table (whose size is ``max_len``)."""
+    cfg = config_of(model)
+    if cfg.attention != "softmax" or cfg.positions == "learned":
+        return model
+    size = min(cfg.max_len, compiled.geometric_bucket(slots))
+    return model if size == cfg.max_len else model.clone(cfg=cfg.replace(max_len=size))
+
+
 def _check_finite(out) -> None:
     """Raise for FAILED tokens in a concrete result, naming the rows and the first failing step."""
     arr = np.asarray(out)
@@ -156,6 +169,7 @@ def generate(model, variables, tokens, n_new: int, *, key: Optional[jax.Array] =
     if padded > n:  # id 0, which every vocabulary has; never read (_forget_padding)
         pad = ((0, 0), (0, padded - n))
         tokens = jnp.asarray(np.pad(np.asarray(tokens), pad)) if is_concrete(tokens) else jnp.pad(tokens, pad)
+    model = _cache_sized(model, max(padded, total))
     state, last = _prefill_fn(model)(variables, tokens, jnp.asarray(n, jnp.int32))
     key = np.zeros(2, np.uint32) if greedy else key  # greedy: a placeholder, never read
     out = _decode_fn(model, greedy)(variables, state, last, key, jnp.asarray(temperature), n_new)

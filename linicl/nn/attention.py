@@ -381,7 +381,13 @@ class Attention(nn.Module):
         k_pos, overflow = positions, None
         decoding = advancing(self, DECODE)
         if decoding:
-            k, v, k_pos, overflow = self._update_cache(k, v, positions)
+            # A cache made by this call (a prefill) holds only this call's keys: attend to them
+            # alone, not to max_len slots of which all but T are empty (the same weights).
+            fresh = not self.has_variable(DECODE, "cached_k")
+            cached = self._update_cache(k, v, positions)
+            overflow = cached[3]
+            if not fresh:
+                k, v, k_pos = cached[:3]
         approx = self.get_variable(PROMPT_APPROX, "approx") if self.has_variable(PROMPT_APPROX, "approx") else None
         if approx is not None and approx.sink_k is not None:  # prompt tokens kept exact
             k, v, k_pos = self._with_sinks(approx, k, v, k_pos)

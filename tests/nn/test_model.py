@@ -82,6 +82,24 @@ def test_greedy_generation_matches_repeated_full_forwards(name):
     np.testing.assert_array_equal(out, seq[:, 6:])
 
 
+@pytest.mark.parametrize("n_new", [1, 11, 19, 35])
+def test_decode_cache_cut_to_the_generation_keeps_greedy_tokens(n_new):
+    """generate sizes a rope model's softmax cache to the bucket of the slots it fills (16, 24, ...,
+    at most max_len): the tokens stay those of full forwards, up to the last position (n_new 35)."""
+    from linicl.generation import _cache_sized
+    cfg = linicl.preset("tiny-softmax-rope", dtype="float64").replace(max_len=40)
+    model, variables = init(cfg)
+    x = tokens(7, 2, 6, cfg.vocab_size)
+    slots = 6 + n_new - 1
+    assert _cache_sized(model, slots).cfg.max_len == min(40, 16 if slots <= 16 else 24 if slots <= 24 else 48)
+    out = linicl.generate(model, variables, x, n_new)
+    seq = x
+    for _ in range(n_new):
+        nxt = jnp.argmax(apply(model, variables, seq)[:, -1], axis=-1).astype(jnp.int32)
+        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
+    np.testing.assert_array_equal(out, seq[:, 6:])
+
+
 def test_apply_jits_vmaps_and_differentiates():
     cfg = linicl.preset("tiny-linear-rope-decay", dtype="float64")
     model, variables = init(cfg)
