@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -26,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--batch", type=positive_int, default=4, help="query batch size (default: 4)")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--quick", action="store_true", help="short prompts, for CI")
+    v.add_argument("--workers", type=positive_int, default=None,
+                   help="threads that check models side by side (default: the CPU count, at most 4); "
+                        "the timings are taken afterwards, one model at a time")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_data_parser(sub)
     return parser
@@ -84,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from linicl import verify
         return verify.main(out=args.out, prompt_len=args.prompt_len, query_len=args.query_len,
                            batch=args.batch, seed=args.seed, quick=args.quick,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, workers=args.workers)
     if args.command == "data":
         return _data(args)
     return 2

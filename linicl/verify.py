@@ -15,12 +15,14 @@ give the float32 errors. ``run(timings=False)`` checks float32 in the float64 pr
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
 import os
 import platform
-from typing import Optional, Sequence
+import threading
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -140,17 +142,35 @@ def _cast(tree, dtype):
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _init_program(model: Transformer, shared: dict):
+class _Shared:
+    """Executables shared by the models of one ``run`` (text digest -> executable), safe across the
+    threads that prepare models: the first thread to ask for a digest compiles it, the others wait."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._futures: dict = {}
+
+    def get(self, digest: str, build: Callable):
+        with self._lock:
+            future = self._futures.get(digest)
+            mine = future is None
+            if mine:
+                future = self._futures[digest] = concurrent.futures.Future()
+        if mine:
+            try:
+                future.set_result(build())
+            except BaseException as e:  # the waiting threads see the same error
+                future.set_exception(e)
+        return future.result()
+
+
+def _init_program(model: Transformer, shared: _Shared):
     """``jit(seed) -> variables`` of ``_random_variables``. Its lowered program holds only the
     parameters' initialisers (jit drops the forward pass init runs), so models with the same
-    parameter shapes and initialisers lower to the same text: ``shared`` (text digest -> executable,
-    one per ``run``) compiles each distinct one once. The random-number code is most of a small
-    model's compile time."""
+    parameter shapes and initialisers lower to the same text: ``shared`` (one per ``run``) compiles
+    each distinct one once. The random-number code is most of a small model's compile time."""
     lowered = jax.jit(functools.partial(_random_variables, model), compiler_options=_check_options()).lower(0)
-    digest = hashlib.sha256(lowered.as_text().encode()).hexdigest()
-    if digest not in shared:
-        shared[digest] = lowered.compile()
-    return shared[digest]
+    return shared.get(hashlib.sha256(lowered.as_text().encode()).hexdigest(), lowered.compile)
 
 
 def _linear_program(model: Transformer, n: int, m: int, batch: int, float32: bool):
@@ -179,29 +199,51 @@ def _linear_program(model: Transformer, n: int, m: int, batch: int, float32: boo
     return jax.jit(run, compiler_options=_check_options())
 
 
-def _check_linear(cfg: ModelConfig, n: int, m: int, batch: int, seed: int, shared: Optional[dict] = None,
-                  timings: bool = True) -> dict:
+def _prepare_linear(cfg: ModelConfig, n: int, m: int, batch: int, seed: int, shared: _Shared,
+                    timings: bool) -> tuple:
+    """A linear model's check but the timings: ``(row, timed)``. With ``timings`` the float32 programs
+    that ``_time_linear`` times are compiled here, by their first calls (which give the float32
+    errors), and ``timed`` holds them with their arguments; else ``timed`` is None."""
     model = Transformer(cfg)
-    variables = _init_program(model, {} if shared is None else shared)(seed)
+    variables = _init_program(model, shared)(seed)
     prompt, query, full, reference, converted, no_prompt, *f32 = _linear_program(
         model, n, m, batch, float32=not timings)(variables, seed)
     row = dict(err_f64=rel_err(converted, reference), err_no_prompt=rel_err(no_prompt, reference),
                state_floats=iclca.state_floats(cfg))
     if not timings:
         row["err_f32"] = rel_err(*f32)
-    else:  # float32, the dtype users run, in the programs that are timed, compiled as a user's are
-        model32 = Transformer(cfg.replace(dtype="float32"))
-        v32 = _cast(variables, np.float32)
-        forward32 = jax.jit(model32.apply)
-        conv32 = iclca.convert(model32, v32, prompt)
-        row["err_f32"] = rel_err(forward32(conv32, query), forward32(v32, full)[:, n:])
-        absorb = iclca._absorb_fn(model32)
-        row["convert_ms"] = 1e3 * time_call(absorb, v32, prompt, repeats=5)
-        t_prompted = time_call(forward32, v32, full, repeats=5)
-        t_converted = time_call(forward32, conv32, query, repeats=5, min_seconds=0.05)
-        row.update(prompted_forward_ms=1e3 * t_prompted, converted_forward_ms=1e3 * t_converted,
-                   speedup=t_prompted / t_converted)
-    row["ok"] = row["err_f64"] <= F64_TOL and row["err_f32"] <= F32_TOL and row["err_no_prompt"] > 1e-3
+        return row, None
+    # float32, the dtype users run, in the programs that are timed, compiled as a user's are
+    model32 = Transformer(cfg.replace(dtype="float32"))
+    v32 = _cast(variables, np.float32)
+    forward32 = jax.jit(model32.apply)
+    conv32 = iclca.convert(model32, v32, prompt)  # compiles the absorbing pass, called as timed below
+    row["err_f32"] = rel_err(forward32(conv32, query), forward32(v32, full)[:, n:])
+    return row, (iclca._absorb_fn(model32), forward32, v32, conv32, prompt, query, full)
+
+
+def _time_linear(timed: tuple) -> dict:
+    """Conversion time and prompted / converted forward times of ``_prepare_linear``'s programs."""
+    absorb, forward32, v32, conv32, prompt, query, full = timed
+    # (variables, prompt, embeds) as iclca.convert calls it: the executable compiled there is reused
+    t = dict(convert_ms=1e3 * time_call(absorb, dict(v32), prompt, None, repeats=5),
+             prompted_forward_ms=1e3 * time_call(forward32, v32, full, repeats=5),
+             converted_forward_ms=1e3 * time_call(forward32, conv32, query, repeats=5, min_seconds=0.05))
+    t["speedup"] = t["prompted_forward_ms"] / t["converted_forward_ms"]
+    return t
+
+
+def _ok_linear(row: dict) -> bool:
+    return row["err_f64"] <= F64_TOL and row["err_f32"] <= F32_TOL and row["err_no_prompt"] > 1e-3
+
+
+def _check_linear(cfg: ModelConfig, n: int, m: int, batch: int, seed: int, shared: Optional[_Shared] = None,
+                  timings: bool = True) -> dict:
+    """One linear model's row (``_prepare_linear``, then ``_time_linear`` with ``timings``)."""
+    row, timed = _prepare_linear(cfg, n, m, batch, seed, _Shared() if shared is None else shared, timings)
+    if timed is not None:
+        row.update(_time_linear(timed))
+    row["ok"] = _ok_linear(row)
     return row
 
 
@@ -225,10 +267,10 @@ def _softmax_program(model: Transformer, n: int, batch: int):
     return jax.jit(run, compiler_options=_check_options())
 
 
-def _check_softmax(cfg: ModelConfig, n: int, batch: int, seed: int, shared: Optional[dict] = None) -> dict:
+def _check_softmax(cfg: ModelConfig, n: int, batch: int, seed: int, shared: Optional[_Shared] = None) -> dict:
     """Conversion is refused; the decode cache is checked against the full forward instead."""
     model = Transformer(cfg)
-    variables = _init_program(model, {} if shared is None else shared)(seed)
+    variables = _init_program(model, _Shared() if shared is None else shared)(seed)
     x, decoded, full = _softmax_program(model, n, batch)(variables, seed)
     try:
         iclca.convert(model, variables, x[:1])
@@ -242,19 +284,24 @@ def _check_softmax(cfg: ModelConfig, n: int, batch: int, seed: int, shared: Opti
 
 def run(prompt_len: int = 500, query_len: int = 16, batch: int = 4, seed: int = 0,
         quick: bool = False, progress: bool = True, names: Optional[Sequence[str]] = None,
-        timings: bool = True) -> dict:
+        timings: bool = True, workers: Optional[int] = None) -> dict:
     """Check every zoo model (or those ``names``, in zoo order); returns the JSON-ready report.
 
     timings: also time the float32 conversion and the prompted and converted forward passes, with
       programs compiled as a user's are (most of a cold run's compile time). False checks the same
       identities, float32 included, in the programs compiled for a short compile, and leaves the
-      timing columns out."""
+      timing columns out.
+    workers: threads that check models side by side (default: the CPU count, at most 4). Compiling
+      is most of the run and XLA compiles without holding Python's lock, so on 2 cores 2 threads
+      take about half the time. The timings are taken afterwards, one model at a time, on a quiet
+      process; every number is the same for any ``workers``."""
     if not jax.config.jax_enable_x64:  # library code never flips the process-wide flag itself
         raise LiniclError("verify.run checks float64 models: enable x64 first "
                           "(jax.config.update('jax_enable_x64', True); the `linicl verify` command does)")
     from tqdm.auto import tqdm
 
-    for name, value in (("prompt_len", prompt_len), ("query_len", query_len), ("batch", batch)):
+    for name, value in (("prompt_len", prompt_len), ("query_len", query_len), ("batch", batch)) + (
+            () if workers is None else (("workers", workers),)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LiniclError(f"verify.run: {name} must be an int >= 1, got {value!r}")
     models = zoo()
@@ -267,14 +314,28 @@ def run(prompt_len: int = 500, query_len: int = 16, batch: int = 4, seed: int = 
     # Each model's seed is seed + its index in the whole zoo, so that a model checked alone (names)
     # is the same random model as in a full run.
     chosen = [(i, name, cfg) for i, (name, cfg) in enumerate(models.items()) if names is None or name in names]
-    rows, shared = {}, {}  # shared: init executables, one per distinct initialisation (_init_program)
-    for i, name, cfg in tqdm(chosen, desc="verify", disable=not progress):
-        row = dict(config=cfg.describe())
+    shared = _Shared()  # init executables, one per distinct initialisation (_init_program)
+
+    def prepare(i, cfg):
         if cfg.attention == "linear":
-            row.update(_check_linear(cfg, prompt_len, query_len, batch, seed + i, shared, timings))
-        else:
-            row.update(_check_softmax(cfg, min(prompt_len, 64), batch, seed + i, shared))
-        rows[name] = row
+            return _prepare_linear(cfg, prompt_len, query_len, batch, seed + i, shared, timings)
+        return _check_softmax(cfg, min(prompt_len, 64), batch, seed + i, shared), None
+
+    workers = min(4, os.cpu_count() or 1) if workers is None else workers
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool, \
+            tqdm(total=len(chosen), desc="verify", disable=not progress) as bar:
+        futures = {name: pool.submit(prepare, i, cfg) for i, name, cfg in chosen}
+        for f in futures.values():
+            f.add_done_callback(lambda _: bar.update())
+        prepared = {name: f.result() for name, f in futures.items()}
+    rows = {}
+    for i, name, cfg in chosen:
+        row, timed = prepared[name]
+        if timed is not None:
+            row.update(_time_linear(timed))
+        if cfg.attention == "linear":
+            row["ok"] = _ok_linear(row)
+        rows[name] = dict(config=cfg.describe(), **row)
     return dict(
         settings=dict(prompt_len=prompt_len, query_len=query_len, batch=batch, seed=seed, quick=quick,
                       timings=timings, f64_tolerance=F64_TOL, f32_tolerance=F32_TOL,

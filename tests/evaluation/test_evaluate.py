@@ -397,10 +397,12 @@ def test_smollm2_few_shot_beats_zero_shot(smollm2):
     four = evaluate(model, variables, tok, task, k=4, **common)
     assert isinstance(four, EvalResult) and four.metric == "exact_match" and four.n == 16
     assert zero.accuracy <= 0.25 and four.accuracy >= 0.75, (zero.accuracy, four.accuracy)
-    # Greedy answers decode with the cache: rows grouped by exact length, each group padded to the batch
-    # of 16 with copies of a real row (16 queries of equal length here: one group, no padding).
+    # Greedy answers decode with the cache: rows grouped by exact length, each group padded with copies of a
+    # real row up to the next power of two rows (evaluate._cached_greedy), so padding at most doubles a
+    # group. Padding every group to the batch of 16, as before, gave several times n_tokens here (the 16
+    # prompts have different lengths: measured 698 padded tokens for 657 real ones).
     assert four.tokens_per_s > 0 and four.n_padded_tokens >= four.n_tokens > 0
-    assert four.n_padded_tokens % 16 == 0
+    assert four.n_padded_tokens < 2 * four.n_tokens
 
 
 

@@ -31,6 +31,17 @@ def test_verify_quick_covers_the_zoo_and_passes(tmp_path, capsys):
     assert "err f64" in capsys.readouterr().out
 
 
+def test_verify_threads_change_no_number():
+    """Models checked side by side (the compile-bound part of a run, in threads) give the same rows,
+    in zoo order, as one at a time: each model's programs and seed are its own."""
+    from linicl import verify
+    names = ["elu-rope", "gemma-local8-scalar-gate", "softmax-rope"]
+    common = dict(quick=True, progress=False, names=names, timings=False)
+    one, two = verify.run(workers=1, **common), verify.run(workers=3, **common)
+    assert list(one["models"]) == list(two["models"]) == names
+    assert one["models"] == two["models"] and one["all_ok"]
+
+
 def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "linicl.cli", "verify", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--quick" in out.stdout

@@ -161,7 +161,7 @@ def test_verify_checks_the_results_folder_before_the_run(tmp_path, capsys, monke
 
 
 def test_verify_run_refuses_nonpositive_sizes():
-    for name in ("prompt_len", "query_len", "batch"):
+    for name in ("prompt_len", "query_len", "batch", "workers"):
         with pytest.raises(LiniclError, match=f"{name} must be an int >= 1"):
             verify.run(**{name: 0})
 
