@@ -26,8 +26,9 @@ accuracy is compared the same way.
 
 Each setting runs as its own ``bias_training.py`` process into ``OUT/<setting>/`` (checkpointed there);
 its summary (``OUT/<setting>/summary.json``: steps to thresholds, final accuracies, accuracy curves) marks
-it done, so a stopped grid resumes where it stopped. Writes ``OUT/bias_grid.json`` and
-``OUT/bias_grid.png``.
+it done, so a stopped grid resumes where it stopped, and processes given disjoint ``--only`` lists can
+share one OUT. Writes ``OUT/bias_grid.json`` and ``OUT/bias_grid.png`` over every setting once all are
+done; before that ``OUT/bias_grid_partial.json`` and ``.png`` over the finished ones.
 
     python experiments/bias_grid.py               # the grid (hours on 2 cores; resumable)
     python experiments/bias_grid.py --quick       # 2 tiny settings (CI)
@@ -194,14 +195,24 @@ def main(argv=None) -> int:
         p.error(f"--only: unknown settings {unknown}; the grid has {sorted(grid)}")
     common = ["--seeds", *map(str, args.seeds)] + ([] if args.quick else ["--steps", str(args.steps)])
     out = Path(args.out)
-    results = {}
     for key in tqdm([k for k in grid if k in (args.only or grid)], desc="settings", disable=not args.progress):
-        summary = run_setting(key, grid[key], out, common)
+        run_setting(key, grid[key], out, common)
+    # Every finished setting in OUT is reported (--only runs in other processes may have added some);
+    # the grid's report is bias_grid.json only once every setting is done, else bias_grid_partial.json,
+    # so that a partial grid is never read as the finished one (experiments/results.py looks for it).
+    done = [k for k in grid if (out / k / "summary.json").exists()]
+    results = {}
+    for key in done:
+        summary = json.loads((out / key / "summary.json").read_text())
         results[key] = dict(args=grid[key], summary=summary, verdict=verdict(summary))
-    report = dict(grid=list(grid), seeds=args.seeds, steps=args.steps, quick=args.quick, results=results,
-                  overall=overall(results), table=table(results), machine=reporting.machine_info())
-    reporting.write_json(out / "bias_grid.json", report)
-    reporting.plot(out / "bias_grid.png", figure, report)
+    complete = len(done) == len(grid)
+    name = "bias_grid" if complete else "bias_grid_partial"
+    report = dict(grid=list(grid), seeds=args.seeds, steps=args.steps, quick=args.quick, complete=complete,
+                  results=results, overall=overall(results), table=table(results), machine=reporting.machine_info())
+    reporting.write_json(out / f"{name}.json", report)
+    reporting.plot(out / f"{name}.png", figure, report)
+    if not complete:
+        print(f"partial grid: {len(done)} of {len(grid)} settings done; wrote {out / name}.json")
     print(report["table"])
     o = report["overall"]
     for arm, c in o["per_arm"].items():

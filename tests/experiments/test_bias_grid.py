@@ -42,10 +42,18 @@ def test_verdict_pairs_seeds_and_counts_censored_runs():
 
 def test_quick_grid_writes_every_setting_and_resumes(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--quick", "--no-progress", "--out", str(tmp_path)]
+    # one setting (as a process given an --only list): a partial report, never the grid's
+    first = subprocess.run(cmd + ["--only", "quick-elu+1"], capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    partial = json.loads((tmp_path / "bias_grid_partial.json").read_text())
+    assert list(partial["results"]) == ["quick-elu+1"] and not partial["complete"]
+    assert not (tmp_path / "bias_grid.json").exists() and "1 of 2 settings" in first.stdout
+    done_first = (tmp_path / "quick-elu+1" / "bias_training.json").stat().st_mtime_ns
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "quick-elu+1" / "bias_training.json").stat().st_mtime_ns == done_first  # resumed
     report = json.loads((tmp_path / "bias_grid.json").read_text())
-    assert set(report["results"]) == set(bg.settings(quick=True))
+    assert set(report["results"]) == set(bg.settings(quick=True)) and report["complete"]
     for r in report["results"].values():
         assert set(r["verdict"]) == set(bg.BIAS_ARMS)
     assert "Δ steps to 90 %" in report["table"] and (tmp_path / "bias_grid.png").stat().st_size > 0
