@@ -20,9 +20,9 @@ from linicl.errors import LiniclError
 from helpers import REPO
 
 # One worker runs this module: its 8-device subprocess (``eight``, ~70 s) is then made once, not once per
-# xdist worker (``make test`` distributes with --dist loadgroup). Even so, pytest-xdist tore the module
-# fixture down and made it again between two tests of the group (a whole-suite run measured the 70 s setup
-# twice), so the subprocess's report is also kept here, once per worker process.
+# xdist worker (``make test`` distributes with --dist loadgroup; pytest 9.2 broke the groups, which
+# tests/library/test_xdist_groups.py now guards). The report is also kept here, once per worker process,
+# in case pytest sets the module fixture up again within one worker.
 pytestmark = pytest.mark.xdist_group("sharding")
 _REPORT: dict = {}
 
