@@ -237,16 +237,6 @@ def _ok_linear(row: dict) -> bool:
     return row["err_f64"] <= F64_TOL and row["err_f32"] <= F32_TOL and row["err_no_prompt"] > 1e-3
 
 
-def _check_linear(cfg: ModelConfig, n: int, m: int, batch: int, seed: int, shared: Optional[_Shared] = None,
-                  timings: bool = True) -> dict:
-    """One linear model's row (``_prepare_linear``, then ``_time_linear`` with ``timings``)."""
-    row, timed = _prepare_linear(cfg, n, m, batch, seed, _Shared() if shared is None else shared, timings)
-    if timed is not None:
-        row.update(_time_linear(timed))
-    row["ok"] = _ok_linear(row)
-    return row
-
-
 def _softmax_program(model: Transformer, n: int, batch: int):
     """``jit(variables, seed) -> (x, decoded, full)``: random tokens ``x: int32[batch, n]`` and the
     model's logits ``[batch, n, vocab]`` read through the decode cache (the first half of the tokens
@@ -291,10 +281,10 @@ def run(prompt_len: int = 500, query_len: int = 16, batch: int = 4, seed: int = 
       programs compiled as a user's are (most of a cold run's compile time). False checks the same
       identities, float32 included, in the programs compiled for a short compile, and leaves the
       timing columns out.
-    workers: threads that check models side by side (default: the CPU count, at most 4). Compiling
-      is most of the run and XLA compiles without holding Python's lock, so on 2 cores 2 threads
-      take about half the time. The timings are taken afterwards, one model at a time, on a quiet
-      process; every number is the same for any ``workers``."""
+    workers: threads that check models side by side (default: the CPU count, at most 4). XLA
+      compiles without holding Python's lock, but tracing holds it: on 2 cores 2 threads took 143 s
+      where 1 took 172 s (cold cache). The timings are taken afterwards, one model at a time, on a
+      quiet process; every number is the same for any ``workers``."""
     if not jax.config.jax_enable_x64:  # library code never flips the process-wide flag itself
         raise LiniclError("verify.run checks float64 models: enable x64 first "
                           "(jax.config.update('jax_enable_x64', True); the `linicl verify` command does)")

@@ -21,10 +21,8 @@ from helpers import REPO
 
 # One worker runs this module: its 8-device subprocess (``eight``, ~70 s) is then made once, not once per
 # xdist worker (``make test`` distributes with --dist loadgroup; pytest 9.2 broke the groups, which
-# tests/library/test_xdist_groups.py now guards). The report is also kept here, once per worker process,
-# in case pytest sets the module fixture up again within one worker.
+# tests/library/test_xdist_groups.py now guards).
 pytestmark = pytest.mark.xdist_group("sharding")
-_REPORT: dict = {}
 
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))
 
@@ -110,12 +108,6 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def eight(tmp_path_factory):
-    if "eight" not in _REPORT:
-        _REPORT["eight"] = _run_eight(tmp_path_factory)
-    return _REPORT["eight"]
-
-
-def _run_eight(tmp_path_factory) -> dict:
     script = tmp_path_factory.mktemp("sharding") / "shard8.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
