@@ -22,7 +22,8 @@ the arm needs minus the baseline's, paired over seeds, with a Student-t 95 % int
 (``linicl.stats.paired_t``). A seed that never reaches the threshold counts as ``steps + eval_every``
 (censored: the difference is then a bound, and the table says how many seeds reached it). An arm is
 "sooner" in a setting when the interval lies below 0, "later" when above. The final in-context
-accuracy is compared the same way.
+accuracy is compared the same way ("higher", "lower"). The table's verdict names every significant
+difference of an arm (to 90 %, to 50 %, final accuracy), "no difference" when there is none.
 
 Each setting runs as its own ``bias_training.py`` process into ``OUT/<setting>/`` (checkpointed there);
 its summary (``OUT/<setting>/summary.json``: steps to thresholds, final accuracies, accuracy curves) marks
@@ -123,6 +124,15 @@ def verdict(summary: dict) -> dict:
     return out
 
 
+def verdict_words(v: dict) -> list:
+    """The significant differences of one arm in one setting, in the caption's two claims: speed (to 90 %
+    and to 50 %) and final in-context accuracy; ``["no difference"]`` when none is significant."""
+    words = [f"{word} to {int(100 * float(t))} %" for t in ("0.9", "0.5") for word in ("sooner", "later")
+             if v[f"steps_{t}"][word]]
+    words += [f"{word} final acc" for word in ("higher", "lower") if v["final_ctx_acc"][word]]
+    return words or ["no difference"]
+
+
 def table(results: dict) -> str:
     """One row per setting and bias arm: Δ steps to 90 % and 50 % and Δ final accuracy, with intervals."""
     header = ["setting", "arm", "Δ steps to 90 % [95 % CI]", "reached 90 % (arm/base)", "Δ steps to 50 %",
@@ -132,8 +142,7 @@ def table(results: dict) -> str:
         for arm, v in r["verdict"].items():
             s9, s5, fa = v["steps_0.9"], v["steps_0.5"], v["final_ctx_acc"]
             fmt = lambda d, k=1.0, p=0: f"{k * d['value']:+.{p}f} [{k * d['low']:+.{p}f}, {k * d['high']:+.{p}f}]"  # noqa: E731
-            word = ("sooner" if s9["sooner"] else "later" if s9["later"] else "no difference") + (
-                ", diverged" if v["diverged"] else "")
+            word = ", ".join(verdict_words(v)) + (", diverged" if v["diverged"] else "")
             n = len(r["summary"]["seeds"])
             rows.append([key, arm, fmt(s9["diff"]), f"{s9['reached']}/{n} vs {s9['baseline_reached']}/{n}",
                          fmt(s5["diff"]), fmt(fa["diff"], 100, 1), word])
@@ -141,15 +150,18 @@ def table(results: dict) -> str:
 
 
 def overall(results: dict) -> dict:
-    """Per bias arm, the settings where it is significantly sooner / later to 90 % and significantly
-    higher / lower in final in-context accuracy (the caption's two claims), and the settings where the
+    """Per bias arm, the settings where it is significantly sooner / later to 90 % (and to 50 %:
+    ``sooner_50``, ``later_50``) and significantly higher / lower in final in-context accuracy (the
+    caption's two claims), and the settings where the
     baseline never reached 90 % on any seed (there "no difference" in speed says nothing)."""
-    count = {arm: dict(sooner=[], later=[], higher=[], lower=[]) for arm in BIAS_ARMS}
+    count = {arm: dict(sooner=[], later=[], sooner_50=[], later_50=[], higher=[], lower=[]) for arm in BIAS_ARMS}
     for key, r in results.items():
         for arm, v in r["verdict"].items():
             for word in ("sooner", "later"):
                 if v["steps_0.9"][word]:
                     count[arm][word].append(key)
+                if v["steps_0.5"][word]:
+                    count[arm][f"{word}_50"].append(key)
             for word in ("higher", "lower"):
                 if v["final_ctx_acc"][word]:
                     count[arm][word].append(key)
@@ -217,8 +229,8 @@ def main(argv=None) -> int:
     o = report["overall"]
     for arm, c in o["per_arm"].items():
         print(f"{arm}: of {o['settings']} settings, significantly sooner to 90 % in {len(c['sooner'])}, later in "
-              f"{len(c['later'])}; final in-context accuracy significantly higher in {len(c['higher'])}, lower in "
-              f"{len(c['lower'])}")
+              f"{len(c['later'])}; to 50 % sooner in {len(c['sooner_50'])}, later in {len(c['later_50'])}; final "
+              f"in-context accuracy significantly higher in {len(c['higher'])}, lower in {len(c['lower'])}")
     print(f"the baseline never reached 90 % in {len(o['baseline_never_reached_90'])} settings")
     return 0
 

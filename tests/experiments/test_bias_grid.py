@@ -40,6 +40,19 @@ def test_verdict_pairs_seeds_and_counts_censored_runs():
     assert censored["sooner"] and censored["reached"] == 3 and censored["baseline_reached"] == 0
 
 
+def test_verdict_names_every_significant_difference():
+    same = bg.verdict(_summary([600, 650, 700], [600, 650, 700]))["bias_nonneg"]
+    assert bg.verdict_words(same) == ["no difference"]
+    summary = _summary([600, 650, 700], [400, 420, 480])
+    summary["arms"]["bias_nonneg"]["steps"]["0.5"] = [300, 310, 320]
+    summary["arms"]["baseline"]["steps"]["0.5"] = [200, 220, 230]
+    summary["arms"]["bias_nonneg"]["final_ctx_acc"] = [0.95, 0.96, 0.94]
+    words = bg.verdict_words(bg.verdict(summary)["bias_nonneg"])
+    assert words == ["sooner to 90 %", "later to 50 %", "higher final acc"]
+    counts = bg.overall(dict(s=dict(summary=summary, verdict=bg.verdict(summary))))["per_arm"]["bias_nonneg"]
+    assert counts["sooner"] == counts["later_50"] == counts["higher"] == ["s"] and not counts["sooner_50"]
+
+
 def test_quick_grid_writes_every_setting_and_resumes(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--quick", "--no-progress", "--out", str(tmp_path)]
     # one setting (as a process given an --only list): a partial report, never the grid's
