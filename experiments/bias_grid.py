@@ -33,6 +33,8 @@ done; before that ``OUT/bias_grid_partial.json`` and ``.png`` over the finished 
 
     python experiments/bias_grid.py               # the grid (hours on 2 cores; resumable)
     python experiments/bias_grid.py --quick       # 2 tiny settings (CI)
+    python experiments/bias_grid.py --settings elu+1-decay-small-lr1e-3 --steps 4000 --out results/longer
+                                                  # a smaller grid trained longer (its own OUT)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from tqdm.auto import tqdm
 
@@ -73,6 +76,16 @@ def settings(quick: bool) -> dict:
             args += ["--" + name.replace("_", "-"), str(value)]
         grid[f"{fm}-{pos}-{size}-lr{lr}"] = args
     return grid
+
+
+def read_summary(folder: Path, steps: Optional[int], seeds: list) -> dict:
+    """The summary in ``folder``; a ``ValueError`` if it was trained for other steps or seeds than asked
+    (``steps`` None: the quick mode's, not checked), so one OUT never mixes runs of different lengths."""
+    summary = json.loads((folder / "summary.json").read_text())
+    if (steps is not None and summary["steps"] != steps) or list(summary["seeds"]) != list(seeds):
+        raise ValueError(f"{folder}: finished with steps {summary['steps']} and seeds {summary['seeds']}, but "
+                         f"--steps {steps} and --seeds {seeds} were asked; use another --out")
+    return summary
 
 
 def run_setting(key: str, args: list, out: Path, common: list) -> dict:
@@ -197,16 +210,35 @@ def main(argv=None) -> int:
     reporting.add_common_args(p, out="results/bias_grid", quick="2 tiny settings (CI)")
     p.add_argument("--steps", type=positive_int, default=1000, help="training steps per setting")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (>= 2, for paired intervals)")
-    p.add_argument("--only", nargs="+", default=None, help="run only these settings (keys as in the JSON)")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="run only these settings (keys as in the JSON); other processes may run the rest into "
+                        "the same OUT, and the grid's report waits for all of them")
+    p.add_argument("--settings", nargs="+", default=None,
+                   help="make the grid these settings only (e.g. a longer --steps run of a few of them, into "
+                        "its own OUT): its report is complete when they are done")
     args = p.parse_args(argv)
     if len(set(args.seeds)) < 2 or len(set(args.seeds)) != len(args.seeds):
         p.error("--seeds: at least 2 different seeds (the verdict pairs them)")
     grid = settings(args.quick)
-    unknown = sorted(set(args.only or []) - set(grid))
-    if unknown:
-        p.error(f"--only: unknown settings {unknown}; the grid has {sorted(grid)}")
+    for flag, keys in (("--settings", args.settings), ("--only", args.only)):
+        unknown = sorted(set(keys or []) - set(grid))
+        if unknown:
+            p.error(f"{flag}: unknown settings {unknown}; the grid has {sorted(grid)}")
+        if flag == "--settings" and keys:
+            grid = {k: v for k, v in grid.items() if k in keys}
     common = ["--seeds", *map(str, args.seeds)] + ([] if args.quick else ["--steps", str(args.steps)])
     out = Path(args.out)
+    steps = None if args.quick else args.steps
+
+    def summary_of(key):
+        try:
+            return read_summary(out / key, steps, args.seeds)
+        except ValueError as e:
+            p.error(str(e))
+
+    for key in grid:  # before any training: a finished setting of another length fails now, not in hours
+        if (out / key / "summary.json").exists():
+            summary_of(key)
     for key in tqdm([k for k in grid if k in (args.only or grid)], desc="settings", disable=not args.progress):
         run_setting(key, grid[key], out, common)
     # Every finished setting in OUT is reported (--only runs in other processes may have added some);
@@ -215,7 +247,7 @@ def main(argv=None) -> int:
     done = [k for k in grid if (out / k / "summary.json").exists()]
     results = {}
     for key in done:
-        summary = json.loads((out / key / "summary.json").read_text())
+        summary = summary_of(key)
         results[key] = dict(args=grid[key], summary=summary, verdict=verdict(summary))
     complete = len(done) == len(grid)
     name = "bias_grid" if complete else "bias_grid_partial"

@@ -3,6 +3,7 @@ over seeds with censoring, and a quick run writes every setting and resumes with
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 
@@ -75,3 +76,18 @@ def test_quick_grid_writes_every_setting_and_resumes(tmp_path):
     assert again.returncode == 0 and {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing rerun
     bad = subprocess.run([sys.executable, str(SCRIPT), "--seeds", "1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--seeds" in bad.stderr
+    # finished settings of other seeds are refused before anything trains (one OUT, one kind of run)
+    other = subprocess.run(cmd + ["--seeds", "0", "1"], capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "another --out" in other.stderr
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    # --settings makes a smaller grid, whose report is complete when its settings are done
+    sub = tmp_path / "sub"
+    (sub / "quick-elu+1").mkdir(parents=True)
+    shutil.copy(tmp_path / "quick-elu+1" / "summary.json", sub / "quick-elu+1")
+    part = subprocess.run(cmd[:-1] + [str(sub), "--settings", "quick-elu+1"], capture_output=True, text=True,
+                          timeout=300)
+    assert part.returncode == 0, part.stderr[-2000:]
+    small = json.loads((sub / "bias_grid.json").read_text())
+    assert small["complete"] and small["grid"] == ["quick-elu+1"] and list(small["results"]) == ["quick-elu+1"]
+    unknown = subprocess.run(cmd + ["--settings", "nope"], capture_output=True, text=True, timeout=300)
+    assert unknown.returncode == 2 and "--settings" in unknown.stderr
