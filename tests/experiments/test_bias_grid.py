@@ -91,3 +91,12 @@ def test_quick_grid_writes_every_setting_and_resumes(tmp_path):
     assert small["complete"] and small["grid"] == ["quick-elu+1"] and list(small["results"]) == ["quick-elu+1"]
     unknown = subprocess.run(cmd + ["--settings", "nope"], capture_output=True, text=True, timeout=300)
     assert unknown.returncode == 2 and "--settings" in unknown.stderr
+
+
+def test_the_longer_runs_are_settings_of_the_grid():
+    spec = importlib.util.spec_from_file_location("registry", REPO / "experiments" / "registry.py")
+    registry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(registry)
+    full = registry.EXPERIMENTS["bias_grid_long"]["full"]
+    keys = full[full.index("--settings") + 1:full.index("--steps")]
+    assert keys == registry.BIAS_GRID_LONG and set(keys) <= set(bg.settings(quick=False))
