@@ -220,12 +220,16 @@ def main(argv=None) -> int:
     if len(set(args.seeds)) < 2 or len(set(args.seeds)) != len(args.seeds):
         p.error("--seeds: at least 2 different seeds (the verdict pairs them)")
     grid = settings(args.quick)
-    for flag, keys in (("--settings", args.settings), ("--only", args.only)):
+
+    def known(flag, keys):
         unknown = sorted(set(keys or []) - set(grid))
         if unknown:
             p.error(f"{flag}: unknown settings {unknown}; the grid has {sorted(grid)}")
-        if flag == "--settings" and keys:
-            grid = {k: v for k, v in grid.items() if k in keys}
+
+    known("--settings", args.settings)
+    if args.settings:
+        grid = {k: v for k, v in grid.items() if k in args.settings}
+    known("--only", args.only)
     common = ["--seeds", *map(str, args.seeds)] + ([] if args.quick else ["--steps", str(args.steps)])
     out = Path(args.out)
     steps = None if args.quick else args.steps
