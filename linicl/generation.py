@@ -116,7 +116,7 @@ def _padded_length(cfg, variables, n: int) -> int:
 
 def _cache_sized(model, slots: int):
     """The model with its softmax decode cache cut from ``max_len`` slots to the bucket of the
-    ``slots`` a generation fills (``compiled.geometric_bucket``: a handful of shapes to compile).
+    ``slots`` a generation fills (its padded prompt and new tokens) (``compiled.geometric_bucket``: a handful of shapes to compile).
     Every decode step reads every slot of the cache, nearly all of them empty for a short answer
     after a short prompt. Only where ``max_len`` bounds nothing but the cache: positions that are not
     a learned table (whose size is ``max_len``)."""
@@ -169,7 +169,10 @@ def generate(model, variables, tokens, n_new: int, *, key: Optional[jax.Array] =
     if padded > n:  # id 0, which every vocabulary has; never read (_forget_padding)
         pad = ((0, 0), (0, padded - n))
         tokens = jnp.asarray(np.pad(np.asarray(tokens), pad)) if is_concrete(tokens) else jnp.pad(tokens, pad)
-    model = _cache_sized(model, max(padded, total))
+    # The cache holds the padded prompt and every new token but the last: sized from the padded length,
+    # not the real one, so that every prompt of a prefill bucket shares one cache size (one prefill and
+    # one decode to compile per bucket, not two where the real lengths straddle a cache bucket).
+    model = _cache_sized(model, padded + n_new - 1)
     state, last = _prefill_fn(model)(variables, tokens, jnp.asarray(n, jnp.int32))
     key = np.zeros(2, np.uint32) if greedy else key  # greedy: a placeholder, never read
     out = _decode_fn(model, greedy)(variables, state, last, key, jnp.asarray(temperature), n_new)

@@ -82,16 +82,39 @@ def test_greedy_generation_matches_repeated_full_forwards(name):
     np.testing.assert_array_equal(out, seq[:, 6:])
 
 
+def test_prompts_of_one_prefill_bucket_share_one_cache_size():
+    """Prompts of 13 and 16 tokens share the prefill bucket 16; with 4 new tokens their real lengths
+    (16 and 19 slots) straddle the cache buckets 16 and 24, but the cache is sized from the padded
+    prompt, so both use one model (one prefill and one decode compiled), and each row's tokens are
+    those of its own generation alone."""
+    from linicl import compiled
+    cfg = linicl.preset("tiny-softmax-rope", dtype="float64").replace(max_len=40)
+    model, variables = init(cfg)
+    compiled.clear()
+    short, full = tokens(3, 1, 13, cfg.vocab_size), tokens(4, 1, 16, cfg.vocab_size)
+    outs = [linicl.generate(model, variables, x, 4) for x in (short, full)]
+    sized = model.clone(cfg=cfg.replace(max_len=24))
+    assert len(compiled.CACHE) == 2 and ("generate.prefill", sized) in compiled.CACHE  # a prefill, a decode
+    for x, out in zip((short, full), outs):
+        seq = x
+        for _ in range(4):
+            nxt = jnp.argmax(apply(model, variables, seq)[:, -1], axis=-1).astype(jnp.int32)
+            seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
+        np.testing.assert_array_equal(out, seq[:, x.shape[1]:])
+
+
 @pytest.mark.parametrize("n_new", [1, 11, 19, 35])
 def test_decode_cache_cut_to_the_generation_keeps_greedy_tokens(n_new):
-    """generate sizes a rope model's softmax cache to the bucket of the slots it fills (16, 24, ...,
-    at most max_len): the tokens stay those of full forwards, up to the last position (n_new 35)."""
+    """generate sizes a rope model's softmax cache to the bucket of the slots it fills, the padded
+    prompt (6 tokens: 16) and the new tokens (16, 24, ..., at most max_len): the tokens stay those of
+    full forwards, up to the last position (n_new 35)."""
+    from linicl import compiled
     from linicl.generation import _cache_sized
     cfg = linicl.preset("tiny-softmax-rope", dtype="float64").replace(max_len=40)
     model, variables = init(cfg)
     x = tokens(7, 2, 6, cfg.vocab_size)
-    slots = 6 + n_new - 1
-    assert _cache_sized(model, slots).cfg.max_len == min(40, 16 if slots <= 16 else 24 if slots <= 24 else 48)
+    slots = 16 + n_new - 1
+    assert _cache_sized(model, slots).cfg.max_len == min(40, compiled.geometric_bucket(slots))
     out = linicl.generate(model, variables, x, n_new)
     seq = x
     for _ in range(n_new):
