@@ -100,8 +100,10 @@ def results_figure(plt, results: dict, summary: dict):
     methods = method_names(results)
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(tasks)), 4))
     w = 0.8 / len(methods)
+    colors = plt.get_cmap("tab20")  # 20 distinct colours: the default cycle repeats after 10 methods
     for j, m in enumerate(methods):
-        ax.bar(np.arange(len(tasks)) + j * w, [results[t].get(m, np.nan) for t in tasks], w, label=m)
+        ax.bar(np.arange(len(tasks)) + j * w, [results[t].get(m, np.nan) for t in tasks], w, label=m,
+               color=colors(j % 20))
     ax.set_xticks(np.arange(len(tasks)) + 0.4 - w / 2, tasks, rotation=30, ha="right")
     ax.set_ylabel("accuracy")
     group = next(g for g in ("ID", "OOD", "all") if g in summary)
