@@ -116,7 +116,8 @@ def _padded_length(cfg, variables, n: int) -> int:
 
 def _cache_sized(model, slots: int):
     """The model with its softmax decode cache cut from ``max_len`` slots to the bucket of the
-    ``slots`` a generation fills (its padded prompt and new tokens) (``compiled.geometric_bucket``: a handful of shapes to compile).
+    ``slots`` a generation fills, its padded prompt and new tokens (``compiled.geometric_bucket``: a
+    handful of shapes to compile).
     Every decode step reads every slot of the cache, nearly all of them empty for a short answer
     after a short prompt. Only where ``max_len`` bounds nothing but the cache: positions that are not
     a learned table (whose size is ``max_len``)."""

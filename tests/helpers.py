@@ -103,6 +103,16 @@ def apply(model, variables, tokens):
     return _jitted(model, "apply")(variables, tokens)
 
 
+def greedy_by_full_forwards(model, variables, x, n_new: int) -> jax.Array:
+    """The reference for ``linicl.generate``: no cache, the argmax of a full forward over the growing
+    sequence each step; ``int32[batch, n_new]``."""
+    seq = x
+    for _ in range(n_new):
+        nxt = jnp.argmax(apply(model, variables, seq)[:, -1], axis=-1).astype(jnp.int32)
+        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
+    return seq[:, x.shape[1]:]
+
+
 def init(cfg: linicl.ModelConfig, seed: int = 0):
     """A model and random variables. Trainable biases get random values (zero would test nothing),
     with z_bias >= 0 so that normalised denominators stay positive."""

@@ -15,7 +15,7 @@ import linicl
 from linicl import iclca, memory
 from linicl.errors import ConfigError
 from linicl.names import DECODE, PROMPT_STATE
-from helpers import BASELINE_MIN, EXACT_RTOL, apply, init, prompted, rel_err, tokens
+from helpers import BASELINE_MIN, EXACT_RTOL, apply, greedy_by_full_forwards, init, prompted, rel_err, tokens
 
 
 def _softmax(**changes):
@@ -50,12 +50,7 @@ def test_decoding_continues_the_full_pass_and_the_local_state_stays_bounded():
     model, variables = init(cfg, 1)
     prompt = tokens(2, 2, 9, cfg.vocab_size)
     new = linicl.generate(model, variables, prompt, 6)
-    # greedy by full passes over the growing sequence
-    seq = prompt
-    for _ in range(6):
-        nxt = jnp.argmax(apply(model, variables, seq)[:, -1], -1).astype(jnp.int32)
-        seq = jnp.concatenate([seq, nxt[:, None]], 1)
-    np.testing.assert_array_equal(new, seq[:, 9:])
+    np.testing.assert_array_equal(new, greedy_by_full_forwards(model, variables, prompt, 6))
     # the decode state after 5 and after 40 tokens: the local layers' fields have the same shapes
     shapes = []
     for n in (5, 40):

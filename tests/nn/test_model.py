@@ -8,8 +8,8 @@ from hypothesis import given, strategies as st
 
 import linicl
 from linicl.names import DECODE
-from helpers import (BASELINE_MIN, EXACT_RTOL, any_configs, apply, examples, init, linear_configs, rel_err,
-                     tokens)
+from helpers import (BASELINE_MIN, EXACT_RTOL, any_configs, apply, examples, greedy_by_full_forwards, init,
+                     linear_configs, rel_err, tokens)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in linicl.PRESETS if n.startswith("tiny")))
@@ -75,11 +75,7 @@ def test_greedy_generation_matches_repeated_full_forwards(name):
     model, variables = init(cfg)
     x = tokens(5, 2, 6, cfg.vocab_size)
     out = linicl.generate(model, variables, x, 5)
-    seq = x
-    for _ in range(5):  # the reference: no cache, argmax of a full forward each step
-        nxt = jnp.argmax(apply(model, variables, seq)[:, -1], axis=-1).astype(jnp.int32)
-        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
-    np.testing.assert_array_equal(out, seq[:, 6:])
+    np.testing.assert_array_equal(out, greedy_by_full_forwards(model, variables, x, 5))
 
 
 def test_prompts_of_one_prefill_bucket_share_one_cache_size():
@@ -96,11 +92,7 @@ def test_prompts_of_one_prefill_bucket_share_one_cache_size():
     sized = model.clone(cfg=cfg.replace(max_len=24))
     assert len(compiled.CACHE) == 2 and ("generate.prefill", sized) in compiled.CACHE  # a prefill, a decode
     for x, out in zip((short, full), outs):
-        seq = x
-        for _ in range(4):
-            nxt = jnp.argmax(apply(model, variables, seq)[:, -1], axis=-1).astype(jnp.int32)
-            seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
-        np.testing.assert_array_equal(out, seq[:, x.shape[1]:])
+        np.testing.assert_array_equal(out, greedy_by_full_forwards(model, variables, x, 4))
 
 
 @pytest.mark.parametrize("n_new", [1, 11, 19, 35])
@@ -113,14 +105,10 @@ def test_decode_cache_cut_to_the_generation_keeps_greedy_tokens(n_new):
     cfg = linicl.preset("tiny-softmax-rope", dtype="float64").replace(max_len=40)
     model, variables = init(cfg)
     x = tokens(7, 2, 6, cfg.vocab_size)
-    slots = 16 + n_new - 1
+    slots = compiled.geometric_bucket(6) + n_new - 1  # the padded prompt (16) and the new tokens
     assert _cache_sized(model, slots).cfg.max_len == min(40, compiled.geometric_bucket(slots))
     out = linicl.generate(model, variables, x, n_new)
-    seq = x
-    for _ in range(n_new):
-        nxt = jnp.argmax(apply(model, variables, seq)[:, -1], axis=-1).astype(jnp.int32)
-        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
-    np.testing.assert_array_equal(out, seq[:, 6:])
+    np.testing.assert_array_equal(out, greedy_by_full_forwards(model, variables, x, n_new))
 
 
 def test_apply_jits_vmaps_and_differentiates():
