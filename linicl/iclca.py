@@ -64,6 +64,13 @@ def _check_variables(variables) -> None:
         raise LiniclError("variables must be the dict returned by model.init (with a 'params' entry), "
                           f"got {type(variables).__name__}"
                           + (f" with keys {sorted(variables)}" if isinstance(variables, Mapping) else ""))
+    # A decode collection is the running state of tokens already decoded: the model would continue
+    # from it, so the stored state would hold those tokens too, silently (issue 52, item 1).
+    if DECODE in variables:
+        raise LiniclError(f"variables hold a {DECODE!r} collection (the cache left by "
+                          f"model.apply(..., mutable=[{DECODE!r}])); a conversion starts from params and "
+                          f"any converted prompt only: pass {{k: v for k, v in variables.items() if k != "
+                          f"{DECODE!r}}}")
 
 
 def _absorb_fn(model):

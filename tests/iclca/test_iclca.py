@@ -219,6 +219,25 @@ def test_convert_refuses_nan_parameters_and_names_them():
     assert np.all(np.isfinite(jax.tree_util.tree_leaves(iclca.convert(model, variables, prompt))[0]))
 
 
+@pytest.mark.parametrize("preset", ["tiny-linear-rope-decay", "tiny-softmax"])
+def test_conversion_refuses_a_leftover_decode_cache(preset):
+    """Variables carrying a decode collection (what model.apply(..., mutable=["decode"]) returns) would
+    make the conversion continue from the decoded tokens: the stored state then silently holds them
+    too (issue 52: converted logits 0.17 away from a clean conversion). Refused, naming the fix."""
+    cfg = linicl.preset(preset, dtype="float64")
+    model, variables = init(cfg)
+    _, decode = model.apply(variables, tokens(1, 1, 6, cfg.vocab_size), mutable=["decode"])
+    prompt = tokens(0, 1, 5, cfg.vocab_size)
+    convert = iclca.convert if cfg.attention == "linear" else iclca.convert_approx
+    with pytest.raises(linicl.LiniclError, match="'decode' collection .* k != 'decode'"):
+        convert(model, {**variables, **decode}, prompt)
+    # The fix the message names gives the clean conversion.
+    clean = {k: v for k, v in {**variables, **decode}.items() if k != "decode"}
+    query = tokens(2, 1, 3, cfg.vocab_size)
+    assert rel_err(apply(model, convert(model, clean, prompt), query),
+                   apply(model, convert(model, variables, prompt), query)) == 0
+
+
 def test_convert_reports_a_misbehaving_compiled_program(monkeypatch):
     """A NaN state from finite parameters (the XLA CPU bug in the README's known issues) is refused with
     the workaround, not returned to poison every later query."""
