@@ -281,7 +281,8 @@ def first_content_index(tokenizer, ids: Sequence[int]) -> int:
 
 
 def _answer_ids(tokenizer, text: str) -> list:
-    ids = [int(i) for i in tokenizer.encode(text)]
+    from linicl.data.prompts import _encode  # an answer continues the prompt: no BOS of its own
+    ids = _encode(tokenizer, text)
     if not ids:
         raise LiniclError(f"the answer {text!r} encodes to no tokens")
     return ids
@@ -374,7 +375,15 @@ def greedy_answers(model, variables, tokenizer, rows: list, *, max_new: int, com
     meaning on a one-token decode step is not defined: an edit placed at the last token would edit
     every generated token for good) each step is one ``run_logprobs`` pass over every row with its
     answer so far appended, so any hook applies unchanged: edits placed at the last token act on each
-    step's last token. The two paths pick the same tokens up to rounding of the logits (tested equal)."""
+    step's last token. The two paths pick the same tokens up to rounding of the logits (tested equal).
+
+    Refused up front, the same for both paths: ``max_new`` that is not an int >= 1 (a bool too; the
+    cached path would blame ``generate``'s ``n_new``, the re-run path return empty answers) and a
+    ``common["batch_size"]`` that is not an int >= 1."""
+    if isinstance(max_new, (bool, np.bool_)) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
+        raise LiniclError(f"greedy_answers: max_new must be a positive int (new tokens per answer), got {max_new!r}")
+    max_new = int(max_new)
+    common = dict(common, batch_size=batching.check_batch_size(common.get("batch_size", 16)))
     hooked = any(common.get(k) is not None for k in ("forward", "edits", "extras"))
     run = _cached_greedy if cache and not hooked else _rerun_greedy
     eos = getattr(tokenizer, "eos_id", None)

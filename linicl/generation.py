@@ -14,6 +14,7 @@ NaN, ``linicl._validate``); an eager call raises instead.
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import jax
@@ -138,6 +139,41 @@ def _check_finite(out) -> None:
                           f"row {rows[0]} from new token {step} on)")
 
 
+def _check_n_new(n_new) -> int:
+    """``n_new`` as a Python int >= 1 (it is static under ``jit``); a bool is refused, not read as 1."""
+    if isinstance(n_new, (bool, np.bool_)) or not isinstance(n_new, (int, np.integer)) or n_new < 1:
+        raise LiniclError(f"generate: n_new must be a positive int, got {n_new!r}")
+    return int(n_new)
+
+
+def _check_temperature(temperature) -> float:
+    """``temperature`` as a finite float > 0: inf would flatten the logits to a uniform draw, and a
+    string or a traced value cannot be checked here (it scales the logits inside the compiled decode)."""
+    value = temperature
+    if not is_concrete(value):
+        raise LiniclError("generate: temperature must be a concrete number, not a traced value (under jit, "
+                          "close over a Python float instead of passing it as a jitted argument)")
+    if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
+        value = value.item()  # a concrete 0-d array: its number
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not (
+            0 < value < float("inf")):
+        raise LiniclError(f"generate: temperature must be > 0 and finite (a Python or NumPy real number), "
+                          f"got {temperature!r}")
+    return float(value)
+
+
+def _check_key(key) -> None:
+    """``key`` must be a JAX PRNG key: a typed key (``jax.random.key``, shape ``()``) or a raw
+    ``uint32[2]`` (``jax.random.PRNGKey``). Only dtype and shape are read, so a traced key passes."""
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ()
+    raw = dtype == np.uint32 and tuple(shape or ()) == (2,)
+    if not (typed or raw):
+        what = f"{dtype}{list(shape)}" if dtype is not None and shape is not None else repr(key)
+        raise LiniclError(f"generate: key must be a JAX PRNG key (jax.random.PRNGKey(0) or jax.random.key(0)), "
+                          f"or None for greedy decoding, got {what}")
+
+
 def generate(model, variables, tokens, n_new: int, *, key: Optional[jax.Array] = None,
              temperature: float = 1.0) -> jax.Array:
     """Continue ``tokens: int32[batch, seq]`` by ``n_new`` tokens; greedy when ``key`` is None.
@@ -151,13 +187,18 @@ def generate(model, variables, tokens, n_new: int, *, key: Optional[jax.Array] =
     NaN logits instead, and a row whose logits are not finite gets the token ``FAILED`` = -1 from
     there on (never a valid id); ``jax.experimental.checkify.checkify`` reports it as an error. An
     eager call whose logits are not finite (e.g. NaN variables) raises LiniclError.
+
+    Refused (eagerly, before any tracing): ``n_new`` that is not an int >= 1 (a bool too);
+    ``temperature`` that is not a finite real > 0 (inf would sample uniformly; it must be a Python
+    or NumPy number, or a concrete 0-d array, even under ``jit``); ``key`` that is not a PRNG key
+    (typed, shape ``()``, or raw ``uint32[2]``; an int seed is refused: pass ``jax.random.PRNGKey(0)``).
     """
     cfg = config_of(model)
     tokens = jnp.asarray(check_tokens("tokens", tokens, cfg.vocab_size))
-    if not isinstance(n_new, int) or n_new < 1:
-        raise LiniclError(f"n_new must be a positive int, got {n_new!r}")
-    if not temperature > 0:
-        raise LiniclError(f"temperature must be > 0, got {temperature!r}")
+    n_new = _check_n_new(n_new)
+    temperature = _check_temperature(temperature)
+    if key is not None:
+        _check_key(key)
     total = tokens.shape[1] + n_new - 1  # the last new token is never fed back
     if cfg.positions == "learned":
         check_fits("tokens", position_offset(variables), total, cfg.max_len, "generation with learned positions")

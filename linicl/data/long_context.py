@@ -24,6 +24,7 @@ sequences from the filler (for next-token loss by position).
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Optional, Sequence
 
@@ -32,6 +33,7 @@ import numpy as np
 from linicl.data.datasets import Example, load_task
 from linicl.data.prompts import (BOS, DEMO_INPUT, INSTRUCTION, QUERY, Prompt, TextEncoder, _bos, _encode,
                                  build_eval_set)
+from linicl._validate import check_index
 from linicl.errors import LiniclError
 from linicl.names import KEYED_PROBES
 
@@ -43,6 +45,8 @@ KV_INSTRUCTION = ("Below, a few codes are hidden inside a lot of irrelevant text
                   "will quiz you about one of them.\n\n")
 KV_LINE = "\n\nThe code for {name} is {key}.\n\n"
 KV_QUESTION = "\n\nWhat is the code for {name}? The code for {name} is"
+# Keys are drawn as int64 numbers below 10 ** digits; 12 digits fit with room to spare.
+MAX_DIGITS = 12
 # Names for the key-value lines: common, distinct, each a single word.
 KV_NAMES = ("apple", "river", "tiger", "candle", "mirror", "garden", "rocket", "violin", "pepper", "castle",
             "forest", "button", "dragon", "pencil", "silver", "window", "anchor", "basket", "cactus", "falcon",
@@ -71,6 +75,41 @@ def filler_stream(tokenizer: TextEncoder, *, task: str = "agnews", split: str = 
         raise LiniclError(f"filler_stream: the {split} split of {task!r} holds {len(ids)} tokens of text, "
                           f"fewer than the {min_tokens} needed")
     return ids
+
+
+def _check_int(what: str, name: str, value, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """``value`` as an int in [lo, hi] (None: no bound). NumPy ints are accepted; a bool (True would
+    count as 1) and a float (which slicing and ``range`` would refuse or truncate) are not."""
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if not ok or (lo is not None and value < lo) or (hi is not None and value > hi):
+        want = ("an int" if lo is None else f"an int in [{lo}, {hi}]" if hi is not None
+                else f"an int with {name} >= {lo}")
+        raise LiniclError(f"{what}: {name} must be {want}, got {value!r}")
+    return int(value)
+
+
+def _check_digits(what: str, digits) -> int:
+    """The number of digits of a key: 0 would make every key "0", and more than ``MAX_DIGITS`` leaves
+    NumPy's int64 range (raw NumPy errors at 19 and beyond)."""
+    return _check_int(what, "digits", digits, 1, MAX_DIGITS)
+
+
+def _check_filler(what: str, filler) -> np.ndarray:
+    """The filler as a 1-d integer array of token ids: a float array would be cast (truncated) to
+    int32 ids without a word."""
+    arr = np.asarray(filler)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise LiniclError(f"{what}: filler must be a 1-d array of int token ids (filler_stream), got dtype "
+                          f"{arr.dtype} and shape {arr.shape}")
+    return arr
+
+
+def _check_key(what: str, key) -> str:
+    """A key must be a string of ASCII digits: ``key_answered`` compares it with the answer's first number,
+    so an int key would never be answered."""
+    if not isinstance(key, str) or not re.fullmatch(r"[0-9]+", key):
+        raise LiniclError(f"{what}: a key must be a string of digits, e.g. '12345', got {key!r}")
+    return key
 
 
 def _check_length(n_tokens: int, fixed: int, what: str) -> int:
@@ -104,12 +143,31 @@ def _key(rng: np.random.Generator, digits: int) -> str:
     return str(rng.integers(10 ** (digits - 1), 10 ** digits))
 
 
+def _distinct_keys(rng: np.random.Generator, digits: int, n: int) -> list:
+    """``n`` distinct ``digits``-digit keys: two lines with the same code would let a model that recalls
+    the wrong line score. Drawn one by one, a repeat drawn again (the same keys as a plain draw whenever
+    none repeats); the caller checks that ``n`` fit among the 9 * 10 ** (digits - 1) keys."""
+    keys: list = []
+    while len(keys) < n:
+        key = _key(rng, digits)
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
 def passkey_prompt(tokenizer: TextEncoder, filler: np.ndarray, n_tokens: int, key: str, depth: float, *,
                    start: int = 0, add_bos: Optional[bool] = None) -> Prompt:
     """One passkey prompt of exactly ``n_tokens`` tokens, its key line after ``depth`` (in [0, 1]) of
-    the filler, the filler read from ``filler[start:]``."""
-    if not 0.0 <= depth <= 1.0:
-        raise LiniclError(f"depth must be in [0, 1] (the share of the filler before the key), got {depth!r}")
+    the filler, the filler read from ``filler[start:]`` (wrapping: any int ``start`` is taken modulo the room).
+
+    Refused: a ``depth`` that is not a real number in [0, 1] (a bool or a string too), a ``key`` that is
+    not a string of digits, ``filler`` that is not a 1-d int array, a ``start`` that is not an int."""
+    if isinstance(depth, (bool, np.bool_)) or not isinstance(depth, numbers.Real) or not 0.0 <= depth <= 1.0:
+        raise LiniclError(f"passkey_prompt: depth must be in [0, 1] (a real number: the share of the filler "
+                          f"before the key), got {depth!r}")
+    key = _check_key("passkey_prompt", key)
+    filler = _check_filler("passkey_prompt", filler)
+    start = _check_int("passkey_prompt", "start", start)
     bos, head = _bos(tokenizer, add_bos), _encode(tokenizer, PASSKEY_INSTRUCTION)
     line, question = _encode(tokenizer, PASSKEY_LINE.format(key=key)), _encode(tokenizer, PASSKEY_QUESTION)
     budget = _check_length(n_tokens, len(bos) + len(head) + len(line) + len(question), "passkey_prompt")
@@ -122,22 +180,44 @@ def passkey_prompt(tokenizer: TextEncoder, filler: np.ndarray, n_tokens: int, ke
 def passkey_prompts(tokenizer: TextEncoder, filler: np.ndarray, n_tokens: int, n: int, *, seed: int = 0,
                     digits: int = 5, add_bos: Optional[bool] = None) -> list:
     """``n`` passkey prompts of ``n_tokens`` tokens: random ``digits``-digit keys, depths uniform in
-    [0, 1], filler from random places of the stream; deterministic in ``seed``."""
-    if not isinstance(n, int) or n < 1 or not isinstance(digits, int) or not 1 <= digits <= 12:
-        raise LiniclError(f"passkey_prompts needs n >= 1 and 1 <= digits <= 12, got n={n!r}, digits={digits!r}")
+    [0, 1], filler from random places of the stream; deterministic in ``seed``. ``n`` must be an int
+    >= 1, ``digits`` an int in [1, ``MAX_DIGITS``] (bools refused)."""
+    n = _check_int("passkey_prompts", "n", n, 1)
+    digits = _check_digits("passkey_prompts", digits)
     rng = np.random.default_rng(seed)
     return [passkey_prompt(tokenizer, filler, n_tokens, _key(rng, digits), float(rng.uniform()),
                            start=int(rng.integers(len(filler))), add_bos=add_bos) for _ in range(n)]
+
+
+def _check_pairs(pairs) -> None:
+    """``pairs`` must be a non-empty sequence of ``(name, key)`` string pairs with distinct names."""
+    if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__len__") or len(pairs) == 0:
+        raise LiniclError(f"kv_recall_prompt needs pairs: a non-empty list of (name, key) pairs, got {pairs!r}")
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[0], str):
+            raise LiniclError(f"kv_recall_prompt: pairs must hold (name, key) pairs of strings, got {pair!r}")
+        _check_key("kv_recall_prompt", pair[1])
+    names = [name for name, _ in pairs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise LiniclError(f"kv_recall_prompt: pairs must have distinct names (the question for a repeated "
+                          f"name has two answers), got {repeated} more than once")
 
 
 def kv_recall_prompt(tokenizer: TextEncoder, filler: np.ndarray, n_tokens: int, pairs: Sequence[tuple],
                      asked: int, *, start: int = 0, add_bos: Optional[bool] = None) -> Prompt:
     """One prompt of exactly ``n_tokens`` tokens: the ``(name, key)`` lines of ``pairs`` spread evenly
     through the filler (line j after (j + 1) / (len(pairs) + 1) of it), then the question for
-    ``pairs[asked]``."""
-    if not pairs or not 0 <= asked < len(pairs):
-        raise LiniclError(f"kv_recall_prompt needs pairs and 0 <= asked < len(pairs), got {len(pairs)} pairs, "
-                          f"asked={asked!r}")
+    ``pairs[asked]``.
+
+    Refused: no pairs, a pair that is not ``(name, key)`` with a string name and a string of digits as
+    key, two pairs with the same name (the question would be ambiguous), an ``asked`` that is not an
+    int in [0, len(pairs)) (a bool or a float too), and the ``passkey_prompt`` refusals of ``filler``
+    and ``start``. Two names may share a code here (``kv_recall_prompts`` draws them distinct)."""
+    _check_pairs(pairs)
+    asked = int(check_index("kv_recall_prompt: asked", asked, 0, len(pairs), "pairs, 0 <= asked < len(pairs)"))
+    filler = _check_filler("kv_recall_prompt", filler)
+    start = _check_int("kv_recall_prompt", "start", start)
     bos = _bos(tokenizer, add_bos)
     head = _encode(tokenizer, KV_INSTRUCTION)
     lines = [_encode(tokenizer, KV_LINE.format(name=name, key=key)) for name, key in pairs]
@@ -157,16 +237,20 @@ def kv_recall_prompt(tokenizer: TextEncoder, filler: np.ndarray, n_tokens: int, 
 def kv_recall_prompts(tokenizer: TextEncoder, filler: np.ndarray, n_tokens: int, n: int, *, n_pairs: int = 8,
                       seed: int = 0, digits: int = 4, add_bos: Optional[bool] = None) -> list:
     """``n`` key-value recall prompts of ``n_tokens`` tokens, each with ``n_pairs`` distinct names
-    (from ``KV_NAMES``) and random ``digits``-digit codes, one asked (uniform); deterministic in ``seed``."""
-    if not isinstance(n_pairs, int) or not 1 <= n_pairs <= len(KV_NAMES):
-        raise LiniclError(f"n_pairs must be an int in [1, {len(KV_NAMES)}], got {n_pairs!r}")
-    if not isinstance(n, int) or n < 1:
-        raise LiniclError(f"kv_recall_prompts needs n >= 1, got {n!r}")
+    (from ``KV_NAMES``) and distinct random ``digits``-digit codes, one asked (uniform); deterministic in
+    ``seed``. ``n`` must be an int >= 1, ``n_pairs`` an int in [1, len(KV_NAMES)] and ``digits`` an int in
+    [1, ``MAX_DIGITS``] with room for ``n_pairs`` distinct codes (bools refused)."""
+    n_pairs = _check_int("kv_recall_prompts", "n_pairs", n_pairs, 1, len(KV_NAMES))
+    n = _check_int("kv_recall_prompts", "n", n, 1)
+    digits = _check_digits("kv_recall_prompts", digits)
+    if n_pairs > 9 * 10 ** (digits - 1):
+        raise LiniclError(f"kv_recall_prompts: n_pairs={n_pairs} distinct codes do not fit among the "
+                          f"{9 * 10 ** (digits - 1)} codes of digits={digits}; use more digits")
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         names = rng.choice(len(KV_NAMES), size=n_pairs, replace=False)
-        pairs = [(KV_NAMES[i], _key(rng, digits)) for i in names]
+        pairs = list(zip((KV_NAMES[i] for i in names), _distinct_keys(rng, digits, n_pairs)))
         out.append(kv_recall_prompt(tokenizer, filler, n_tokens, pairs, int(rng.integers(n_pairs)),
                                     start=int(rng.integers(len(filler))), add_bos=add_bos))
     return out
@@ -196,8 +280,9 @@ def filler_windows(filler: np.ndarray, n: int, length: int, *, seed=0) -> np.nda
     """``int32[n, length]``: ``n`` windows of the filler stream at uniform random starts (they may
     overlap), e.g. held-out text for next-token loss by position; deterministic in ``seed`` (anything
     ``np.random.default_rng`` takes)."""
-    if not isinstance(n, int) or n < 1 or not isinstance(length, int) or length < 1:
-        raise LiniclError(f"filler_windows needs ints n >= 1 and length >= 1, got n={n!r}, length={length!r}")
+    n = _check_int("filler_windows", "n", n, 1)
+    length = _check_int("filler_windows", "length", length, 1)
+    filler = _check_filler("filler_windows", filler)
     if len(filler) <= length:
         raise LiniclError(f"filler_windows: the filler holds {len(filler)} tokens, not more than length={length}; "
                           f"read a longer stream (filler_stream(min_tokens=...))")
@@ -219,4 +304,4 @@ def key_line(prompt: Prompt) -> tuple:
 __all__ = ["key_answered", "filler_stream", "passkey_prompt", "passkey_prompts", "kv_recall_prompt", "kv_recall_prompts",
            "probe_prompts", "many_shot_prompts", "filler_windows", "key_line",
            "PASSKEY_INSTRUCTION", "PASSKEY_LINE", "PASSKEY_QUESTION", "KV_INSTRUCTION", "KV_LINE", "KV_QUESTION",
-           "KV_NAMES"]
+           "KV_NAMES", "MAX_DIGITS"]

@@ -120,3 +120,53 @@ def test_filler_windows_are_seeded_slices_of_the_stream():
     with pytest.raises(LiniclError, match="n >= 1"):
         lc.filler_windows(FILLER, 0, 50)
 
+
+
+def test_kv_codes_within_a_prompt_are_distinct():
+    """With one digit there are 9 codes: 9 pairs use each once (before, repeats let a model that
+    recalled the wrong line score), and 10 pairs cannot be told apart, so they are refused."""
+    for p in lc.kv_recall_prompts(TOK, FILLER, 800, 3, n_pairs=9, seed=1, digits=1):
+        codes = [line.split(" is ")[1].rstrip(".") for line in p.text.split("\n") if line.startswith("The code for ")]
+        assert sorted(codes) == [str(d) for d in range(1, 10)]
+    with pytest.raises(LiniclError, match="n_pairs=10 distinct codes do not fit among the 9 codes of digits=1"):
+        lc.kv_recall_prompts(TOK, FILLER, 800, 1, n_pairs=10, digits=1)
+
+
+PAIRS = [("apple", "12"), ("river", "34"), ("tiger", "56")]
+
+
+@pytest.mark.parametrize("call, match", [
+    # silent wrong answers before: every code "0", an ambiguous question, truncated filler, True as 1
+    (lambda: lc.kv_recall_prompts(TOK, FILLER, 500, 2, n_pairs=3, digits=0),
+     r"kv_recall_prompts: digits must be an int in \[1, 12\], got 0"),
+    (lambda: lc.kv_recall_prompt(TOK, FILLER, 500, [("apple", "12"), ("apple", "34")], 0),
+     r"pairs must have distinct names .* got \['apple'\]"),
+    (lambda: lc.passkey_prompt(TOK, FILLER + 0.5, 500, "12345", 0.5),
+     "passkey_prompt: filler must be a 1-d array of int token ids.*float64"),
+    (lambda: lc.kv_recall_prompt(TOK, FILLER.astype(float), 500, PAIRS, 0), "kv_recall_prompt: filler must be"),
+    (lambda: lc.kv_recall_prompt(TOK, FILLER, 500, PAIRS, True), "asked must be one int indexing pairs.*got True"),
+    (lambda: lc.passkey_prompts(TOK, FILLER, 500, 1, digits=True), r"digits must be an int in \[1, 12\], got True"),
+    (lambda: lc.passkey_prompts(TOK, FILLER, 500, True), "n must be an int with n >= 1, got True"),
+    (lambda: lc.kv_recall_prompts(TOK, FILLER, 500, 1, n_pairs=True), r"n_pairs must be an int in \[1, 32\]"),
+    (lambda: lc.passkey_prompt(TOK, FILLER, 500, 12345, 0.5), "a key must be a string of digits.*got 12345"),
+    # raw tracebacks before
+    (lambda: lc.passkey_prompt(TOK, FILLER, 500, "12345", "0.5"), r"depth must be in \[0, 1\].*got '0.5'"),
+    (lambda: lc.passkey_prompt(TOK, FILLER, 500, "12345", True), r"depth must be in \[0, 1\].*got True"),
+    (lambda: lc.kv_recall_prompt(TOK, FILLER, 500, PAIRS, 1.5), "asked must be one int indexing pairs.*got 1.5"),
+    (lambda: lc.kv_recall_prompts(TOK, FILLER, 500, 1, digits=25), r"digits must be an int in \[1, 12\], got 25"),
+    (lambda: lc.kv_recall_prompts(TOK, FILLER, 500, 1, digits=-2), r"digits must be an int in \[1, 12\], got -2"),
+    (lambda: lc.passkey_prompt(TOK, FILLER, 500, "12345", 0.5, start=3.5), "start must be an int, got 3.5"),
+    (lambda: lc.filler_windows(FILLER, True, 50), "n must be an int with n >= 1, got True"),
+])
+def test_bad_long_prompt_arguments_are_refused_by_name(call, match):
+    with pytest.raises(LiniclError, match=match):
+        call()
+
+
+def test_numpy_ints_and_int_depths_are_taken():
+    a = lc.kv_recall_prompt(TOK, FILLER, 500, PAIRS, np.int64(1), start=np.int64(7))
+    b = lc.kv_recall_prompt(TOK, FILLER, 500, PAIRS, 1, start=7)
+    assert a.label == "34" and np.array_equal(a.tokens, b.tokens)
+    assert np.array_equal(lc.passkey_prompt(TOK, FILLER, 500, "12345", 1).tokens,
+                          lc.passkey_prompt(TOK, FILLER, 500, "12345", 1.0).tokens)
+    assert len(lc.kv_recall_prompts(TOK, FILLER, 500, np.int64(1), n_pairs=np.int64(2), digits=np.int64(3))) == 1

@@ -63,3 +63,23 @@ def test_a_hook_runs_the_prefix_rerun_path(monkeypatch):
     out = ev.greedy_answers(model, variables, tok, rows, max_new=3, common=dict(batch_size=4, progress=False,
                                                                                  edits=edits))
     assert len(out) == 3
+
+
+@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("max_new", [0, -2, True, 2.0])
+def test_both_paths_refuse_a_bad_max_new_by_its_name(cache, max_new):
+    """Before, the cached path blamed ``n_new`` ("got 0" even for -2) and the re-run path returned
+    empty answers for 0."""
+    model, variables = _model("softmax-rope")
+    with pytest.raises(linicl.LiniclError, match=f"greedy_answers: max_new must be a positive int.*got {max_new!r}"):
+        ev.greedy_answers(model, variables, Chars(), _rows(64)[:2], max_new=max_new,
+                          common=dict(batch_size=4, progress=False), cache=cache)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, True])
+def test_both_paths_refuse_a_bad_batch_size(cache, batch_size):
+    model, variables = _model("softmax-rope")
+    with pytest.raises(linicl.LiniclError, match=f"batch_size must be an int >= 1, got {batch_size!r}"):
+        ev.greedy_answers(model, variables, Chars(), _rows(64)[:2], max_new=2,
+                          common=dict(batch_size=batch_size, progress=False), cache=cache)

@@ -57,3 +57,41 @@ def test_sample_frequencies_follow_softmax_of_logits_over_temperature():
         se = np.sqrt(p * (1 - p) / n)
         assert np.all(np.abs(freq - p) <= 5 * se + 1e-12), (temperature, freq, p)
         assert np.max(np.abs(q - p) / np.maximum(se, 1e-3)) > 10, "power: T and 1/T must be far apart"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_new=True), "n_new must be a positive int, got True"),  # was read as 1: one token
+    (dict(n_new=2.0), "n_new must be a positive int, got 2.0"),
+    (dict(temperature=float("inf")), "temperature must be > 0 and finite"),  # was a uniform draw
+    (dict(temperature=float("nan")), "temperature must be > 0 and finite"),
+    (dict(temperature="1"), "temperature must be > 0 and finite.*got '1'"),  # was a TypeError
+    (dict(temperature=True), "temperature must be > 0 and finite.*got True"),
+    (dict(key=0), r"key must be a JAX PRNG key \(jax.random.PRNGKey\(0\)"),  # was jax's "invalid PRNG key data"
+    (dict(key=np.zeros(2, np.float32)), r"key must be a JAX PRNG key.*got float32\[2\]"),
+    (dict(key=jax.random.split(jax.random.PRNGKey(0), 2)), r"key must be a JAX PRNG key.*got uint32\[2, 2\]"),
+])
+def test_generate_refuses_bad_arguments_naming_them(kwargs, match):
+    model, variables = _model()
+    args = dict(n_new=2, key=jax.random.PRNGKey(0), temperature=1.0)
+    args.update(kwargs)
+    with pytest.raises(linicl.LiniclError, match=match):
+        linicl.generate(model, variables, tokens(0, 1, 3, CFG.vocab_size), args.pop("n_new"), **args)
+
+
+def test_generate_checks_temperature_before_tracing():
+    """Under jit a traced temperature cannot be checked for inf, so it is refused with the fix."""
+    model, variables = _model()
+    run = jax.jit(lambda t: linicl.generate(model, variables, tokens(0, 1, 3, CFG.vocab_size), 2,
+                                            key=jax.random.PRNGKey(0), temperature=t))
+    with pytest.raises(linicl.LiniclError, match="temperature must be a concrete number"):
+        run(0.5)
+
+
+def test_generate_takes_typed_raw_and_numpy_keys_and_numpy_numbers():
+    model, variables = _model()
+    prompt = tokens(2, 2, 4, CFG.vocab_size)
+    want = np.asarray(linicl.generate(model, variables, prompt, 3, key=jax.random.PRNGKey(5), temperature=2.0))
+    for key, n_new, temperature in ((jax.random.key(5), 3, 2.0), (np.asarray(jax.random.PRNGKey(5)), np.int64(3),
+                                                                   np.float32(2.0))):
+        got = linicl.generate(model, variables, prompt, n_new, key=key, temperature=temperature)
+        np.testing.assert_array_equal(got, want)
