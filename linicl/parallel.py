@@ -21,11 +21,18 @@ per layout (``tests/test_multidevice.py``, ``tests/library/test_sharding.py``).
   ``linicl.batching.pad_rows`` pads, ``linicl.batching.run_sharded`` does all of it).
 * ``place(tree, mesh)``: a variables or parameter tree (or an optimiser state, ``place_like``) laid out
   as the mesh says: replicated on a data-only mesh, sharded by ``param_spec`` on one with ``"model"``.
+  ``place(variables, mesh, model=m)`` first checks that the tree is ``m``'s (every path and shape of
+  ``m.init``), so that another model's variables are refused by path here, not by Flax at apply.
 * ``param_spec(path, shape, mesh)``: the ``PartitionSpec`` of one array, by the rules on its path
   (``TENSOR_RULES``): the one place where layouts are chosen.
 * ``step_shardings(mesh, params, opt, n_logs=...)``: ``out_shardings`` of a jitted training step that
   keep the parameters and optimiser state where ``place`` put them (``linicl.linearize.train_maps``,
   ``train_lora`` and ``linicl.routing.train_router`` take a ``mesh``).
+
+Every function refuses, by argument, what it cannot use (``LiniclError``): a mesh that is not a
+``jax.sharding.Mesh`` with a ``"data"`` axis, no devices, repeated devices or ones that are not
+``jax.Device``, a shape with a negative size, tree leaves that are not arrays or numbers, a training
+state that ``place`` did not lay out on the mesh. These checks run on one device too.
 
 On one device everything here is a no-op and functions run exactly as plain ``jit``. For CPU tests,
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set before jax is imported) gives eight host
@@ -35,14 +42,15 @@ devices.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from linicl.errors import LiniclError
-from linicl.names import DATA_AXIS, MODEL_AXIS, PROMPT_STATE
+from linicl.names import DATA_AXIS, MODEL_AXIS, PARAMS, PROMPT_STATE
 
 AXIS = DATA_AXIS  # the batch axis's name (kept for callers of the data-only mesh)
 
@@ -71,34 +79,105 @@ TENSOR_RULES = (
 MIN_SHARDED_SIZE = 1024
 
 
+def _device_tuple(fn: str, devices) -> tuple:
+    """``devices`` (None: all of ``jax.devices()``) as a tuple; refused when empty or when an entry is not
+    a ``jax.Device`` (a name such as "cpu:0")."""
+    if devices is None:
+        return tuple(jax.devices())
+    try:
+        devices = tuple(devices)
+    except TypeError:
+        raise LiniclError(f"{fn}: devices must be a sequence of jax.Device, got {type(devices).__name__}") from None
+    if not devices:
+        raise LiniclError(f"{fn}: devices must hold at least one jax.Device, got none")
+    for d in devices:
+        if not isinstance(d, jax.Device):
+            raise LiniclError(f"{fn}: devices must be jax.Device objects (jax.devices()), got {d!r}")
+    return devices
+
+
+def _check_distinct(fn: str, devices: tuple) -> None:
+    """A device listed twice would hold two shards of every array: the mesh would split nothing."""
+    if len(set(devices)) < len(devices):
+        twice = sorted({str(d) for d in devices if devices.count(d) > 1})
+        raise LiniclError(f"{fn}: devices must be distinct, got {twice} more than once")
+
+
+def _check_mesh(fn: str, mesh, abstract: bool = False, optional: bool = False) -> Mesh:
+    """``mesh`` if it is a ``Mesh`` (or, where only its shape is read, ``abstract``, an ``AbstractMesh``)
+    with a ``"data"`` axis; else a LiniclError naming ``fn``. ``optional``: None means ``device_mesh()``."""
+    if mesh is None and optional:
+        return device_mesh()
+    kinds = (Mesh, AbstractMesh) if abstract else (Mesh,)
+    if not isinstance(mesh, kinds):
+        raise LiniclError(f"{fn}: mesh must be a jax.sharding.Mesh (parallel.device_mesh() or make_mesh()), "
+                          f"got {type(mesh).__name__}")
+    if DATA_AXIS not in mesh.axis_names:  # the batch axis every layout here is stated in
+        raise LiniclError(f"{fn}: mesh must have a {DATA_AXIS!r} axis (device_mesh() and make_mesh() make "
+                          f"one), got axes {tuple(mesh.axis_names)}")
+    return mesh
+
+
+def _is_array_like(leaf) -> bool:
+    """An array (jax, traced or NumPy) of numbers, bools or PRNG keys, or a Python or NumPy number: what
+    ``jax.device_put`` can place."""
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return any(jnp.issubdtype(leaf.dtype, kind) for kind in (jnp.number, jnp.bool_, jax.dtypes.prng_key))
+    return isinstance(leaf, (bool, int, float, complex))
+
+
+def _check_leaves(fn: str, tree, what: str = "tree") -> None:
+    """Refuse, by path, the first leaf of ``tree`` that ``_is_array_like`` does not accept (a string, a
+    ``jax.ShapeDtypeStruct``, an object): ``device_put`` would fail on it deep inside."""
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not _is_array_like(leaf):
+            raise LiniclError(f"{fn}: {what} leaf {_path(keys) or '(root)'!r} must be an array or a number, got "
+                              f"{type(leaf).__name__}{'' if not hasattr(leaf, 'dtype') else f' of dtype {leaf.dtype}'}")
+
+
 def device_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """A one-dimensional mesh (axis ``"data"``) over ``devices`` (default: all of ``jax.devices()``):
     data parallelism, parameters replicated. Meshes over the same devices compare equal, so compiled
-    functions are reused across calls."""
-    devices = tuple(jax.devices() if devices is None else devices)
-    if not devices:
-        raise LiniclError("device_mesh: no devices")
+    functions are reused across calls. Refuses no devices, repeated ones and entries that are not
+    ``jax.Device``."""
+    devices = _device_tuple("device_mesh", devices)
+    _check_distinct("device_mesh", devices)
     return Mesh(np.asarray(devices, dtype=object), (DATA_AXIS,))
 
 
 def make_mesh(model: int = 1, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """A two-dimensional mesh ``("data", "model")`` of shape ``(len(devices) // model, model)``: the batch
-    over ``"data"``, parameters sharded (FSDP over ``"data"``, tensor parallel over ``"model"``)."""
-    devices = tuple(jax.devices() if devices is None else devices)
+    over ``"data"``, parameters sharded (FSDP over ``"data"``, tensor parallel over ``"model"``). Refuses
+    a ``model`` that is not an int >= 1 dividing the device count, no devices, repeated ones and entries
+    that are not ``jax.Device``."""
+    devices = _device_tuple("make_mesh", devices)
     if isinstance(model, bool) or not isinstance(model, (int, np.integer)) or model < 1 or len(devices) % model:
         raise LiniclError(f"make_mesh: model must be an int >= 1 dividing the {len(devices)} devices, got {model!r}")
+    _check_distinct("make_mesh", devices)
     grid = np.asarray(devices, dtype=object).reshape(len(devices) // model, model)
     return Mesh(grid, (DATA_AXIS, MODEL_AXIS))
 
 
 def data_size(mesh: Mesh) -> int:
     """How many ways the batch is split: the size of the mesh's ``"data"`` axis."""
-    return int(mesh.shape[DATA_AXIS])
+    return int(_check_mesh("data_size", mesh, abstract=True).shape[DATA_AXIS])
 
 
 def shards_params(mesh: Mesh) -> bool:
     """Whether ``place`` shards parameters on this mesh (it has a ``"model"`` axis) or replicates them."""
-    return MODEL_AXIS in mesh.axis_names
+    return MODEL_AXIS in _check_mesh("shards_params", mesh, abstract=True).axis_names
+
+
+def _check_shape(fn: str, shape) -> tuple:
+    """``shape`` as a tuple of Python ints, each an int >= 0 (never a bool or a float, which ``int()``
+    would truncate)."""
+    if isinstance(shape, (str, bytes)) or not (isinstance(shape, Sequence)
+                                               or isinstance(shape, np.ndarray) and shape.ndim == 1):
+        raise LiniclError(f"{fn}: shape must be a sequence of ints >= 0, got {shape!r}")
+    for size in shape:
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 0:
+            raise LiniclError(f"{fn}: shape must be a sequence of ints >= 0, got {tuple(shape)!r}")
+    return tuple(int(size) for size in shape)
 
 
 def param_spec(path: str, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
@@ -107,8 +186,13 @@ def param_spec(path: str, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
     On a data-only mesh: ``P()`` (replicated). Otherwise the first ``TENSOR_RULES`` entry matching the
     path names the axis split over ``"model"``; then the largest other axis that divides by the
     ``"data"`` size is split over it (FSDP). An axis that does not divide stays whole (e.g. SmolLM2's 3
-    key/value heads over 2 model devices); arrays under ``MIN_SHARDED_SIZE`` elements stay whole."""
-    shape = tuple(int(s) for s in shape)
+    key/value heads over 2 model devices); arrays under ``MIN_SHARDED_SIZE`` elements stay whole.
+    Refuses a ``path`` that is not a str, a ``shape`` that is not a sequence of ints >= 0 (a negative
+    size would pass as a small array, replicated) and a mesh without a ``"data"`` axis."""
+    if not isinstance(path, str):
+        raise LiniclError(f"param_spec: path must be a str such as 'params/embed', got {path!r}")
+    shape = _check_shape("param_spec", shape)
+    _check_mesh("param_spec", mesh, abstract=True)
     if not shards_params(mesh) or int(np.prod(shape, dtype=np.int64)) < MIN_SHARDED_SIZE:
         return PartitionSpec()
     spec = [None] * len(shape)
@@ -135,21 +219,76 @@ def _path(keys) -> str:
     return "/".join(parts)
 
 
+def _check_prefix(fn: str, prefix) -> None:
+    if not isinstance(prefix, str):
+        raise LiniclError(f"{fn}: prefix must be a str such as {PARAMS!r} (prepended to the paths), got {prefix!r}")
+
+
+def _shapes(tree) -> dict:
+    """``{path: shape}`` of every leaf, in ``tree``'s order."""
+    return {_path(keys): tuple(np.shape(leaf)) for keys, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _check_variables_of(fn: str, model, tree, prefix: str) -> None:
+    """Refuse, naming the first path that differs, a ``tree`` that is not ``model``'s variables
+    (``prefix=""``) or parameters (``prefix="params"``): each path and shape that ``model.init`` makes
+    (read off ``jax.eval_shape``: nothing is computed), and nothing more in those collections. Other
+    collections (a converted prompt state) are not the model's to check. Flax would otherwise refuse
+    another model's variables only at apply, with a ``ScopeParamShapeError``."""
+    # Duck-typed: this module sits below linicl.nn and may not import the Transformer.
+    if not callable(getattr(model, "init", None)) or not hasattr(model, "cfg"):
+        raise LiniclError(f"{fn}: model must be a linicl.Transformer, got {type(model).__name__}")
+    if prefix not in ("", PARAMS):
+        raise LiniclError(f"{fn}: model= checks a model's variables (prefix='') or its parameters "
+                          f"(prefix={PARAMS!r}), got prefix={prefix!r}")
+    made = jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, 1), jnp.int32))
+    if prefix:
+        made, tree = {PARAMS: made[PARAMS]}, {PARAMS: tree}
+    if not isinstance(tree, Mapping):
+        raise LiniclError(f"{fn}: the variables of a model are a dict of collections ({PARAMS!r}, ...), got "
+                          f"{type(tree).__name__}")
+    want = _shapes(made)
+    got = _shapes({c: tree[c] for c in made if c in tree})
+    for path, shape in want.items():
+        if path not in got:
+            raise LiniclError(f"{fn}: the variables lack {path!r} (shape {shape}) of the model: are they "
+                              f"another model's?")
+        if got[path] != shape:
+            raise LiniclError(f"{fn}: {path!r} has shape {got[path]}, the model's has {shape}: are the "
+                              f"variables another model's?")
+    extra = [path for path in got if path not in want]
+    if extra:
+        raise LiniclError(f"{fn}: {extra[0]!r} is not a variable of the model ({len(extra)} such): are the "
+                          f"variables another model's?")
+
+
 def shardings(tree: Any, mesh: Mesh, prefix: str = "") -> Any:
     """``tree`` with every array replaced by its ``NamedSharding`` on ``mesh`` (``param_spec`` of its
     path): for ``jax.jit(..., in_shardings=..., out_shardings=...)`` or ``jax.device_put``. ``prefix``
     is prepended to the paths (``"params"`` for a bare parameter tree)."""
+    _check_mesh("shardings", mesh)
+    _check_prefix("shardings", prefix)
+
     def one(keys, leaf):
         path = "/".join(p for p in (prefix, _path(keys)) if p)
         return NamedSharding(mesh, param_spec(path, np.shape(leaf), mesh))
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def place(tree: Any, mesh: Optional[Mesh] = None, prefix: str = "") -> Any:
+def place(tree: Any, mesh: Optional[Mesh] = None, prefix: str = "", *, model: Any = None) -> Any:
     """``tree`` (a model's variables ``{"params": ..., ...}``, or a bare parameter tree with
     ``prefix="params"``) on the mesh's devices: replicated on a data-only mesh, sharded by
-    ``param_spec`` on one with a ``"model"`` axis. On one device this returns ``tree``."""
-    mesh = device_mesh() if mesh is None else mesh
+    ``param_spec`` on one with a ``"model"`` axis. On one device this returns ``tree``.
+
+    ``model`` (a ``linicl.Transformer``): check first that ``tree`` holds that model's variables (or,
+    with ``prefix="params"``, its parameters), every path with its shape, and refuse by path the first
+    that differs (another model's variables would otherwise fail only at apply, inside Flax). Leaves
+    that are not arrays or numbers are refused, on one device too."""
+    mesh = _check_mesh("place", mesh, optional=True)
+    _check_prefix("place", prefix)
+    _check_leaves("place", tree)
+    if model is not None:
+        _check_variables_of("place", model, tree, prefix)
     if mesh.size == 1:
         return tree
     if not shards_params(mesh):
@@ -161,7 +300,10 @@ def place_like(state: Any, params: Any, mesh: Optional[Mesh] = None, prefix: str
     """An optimiser state (``optax``) laid out like the parameters it mirrors: each leaf whose path ends
     with a parameter's path and has its shape takes that parameter's layout (Adam's ``mu`` and ``nu``);
     the rest (step counts) is replicated."""
-    mesh = device_mesh() if mesh is None else mesh
+    mesh = _check_mesh("place_like", mesh, optional=True)
+    _check_prefix("place_like", prefix)
+    _check_leaves("place_like", state, "state")
+    _check_leaves("place_like", params, "params")
     if mesh.size == 1:
         return state
     if not shards_params(mesh):
@@ -183,7 +325,8 @@ def place_like(state: Any, params: Any, mesh: Optional[Mesh] = None, prefix: str
 def replicate(tree: Any, mesh: Optional[Mesh] = None) -> Any:
     """``tree`` with every array placed whole on every device of the mesh (edit values, small trees).
     Arrays that are already so placed are not copied again; on one device this returns ``tree``."""
-    mesh = device_mesh() if mesh is None else mesh
+    mesh = _check_mesh("replicate", mesh, optional=True)
+    _check_leaves("replicate", tree)
     if mesh.size == 1:
         return tree
     return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
@@ -193,7 +336,8 @@ def shard_batch(tree: Any, mesh: Optional[Mesh] = None) -> Any:
     """``tree`` with the axis 0 of every array split over the mesh's ``"data"`` axis (each data shard
     holds ``batch / data_size`` rows; on a mesh with ``"model"`` they are replicated over it). The batch
     must divide by the data size (``pad_rows``); on one device this returns ``tree``."""
-    mesh = device_mesh() if mesh is None else mesh
+    mesh = _check_mesh("shard_batch", mesh, optional=True)
+    _check_leaves("shard_batch", tree, "batch")
     if mesh.size == 1:
         return tree
     d = data_size(mesh)
@@ -208,12 +352,25 @@ def step_shardings(mesh: Mesh, *state: Any, n_logs: int = 0):
     """``out_shardings`` for a jitted training step returning ``(*state, *logs)``: each state tree (params,
     optimiser state) keeps the layout it was placed with, the ``n_logs`` log values come back whole.
     ``None`` (let XLA choose) where parameters are not sharded. Without it XLA may return updated
-    parameters in another layout than it was given them (then every step would reshard them)."""
+    parameters in another layout than it was given them (then every step would reshard them).
+
+    Where it is not ``None``, every state leaf must be a ``jax.Array`` laid out on ``mesh`` (``place``,
+    ``place_like``): a NumPy array or one on another mesh has no layout here to keep."""
+    _check_mesh("step_shardings", mesh)
+    if isinstance(n_logs, (bool, np.bool_)) or not isinstance(n_logs, (int, np.integer)) or n_logs < 0:
+        raise LiniclError(f"step_shardings: n_logs must be an int >= 0 (the step's log values), got {n_logs!r}")
     if mesh.size == 1 or not shards_params(mesh):
         return None
+    for i, tree in enumerate(state):
+        for keys, x in jax.tree_util.tree_leaves_with_path(tree):
+            sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+            if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+                where = f"a {type(x).__name__}" if sharding is None else f"laid out by {sharding}"
+                raise LiniclError(f"step_shardings: state {i} leaf {_path(keys) or '(root)'!r} is {where}, not "
+                                  f"on this mesh; place it first (parallel.place, place_like)")
     whole = NamedSharding(mesh, PartitionSpec())
     kept = tuple(jax.tree_util.tree_map(lambda x: x.sharding, t) for t in state)
-    return kept + (whole,) * n_logs
+    return kept + (whole,) * int(n_logs)
 
 
 def device_bytes(tree: Any) -> dict:

@@ -159,7 +159,8 @@ def _chosen(names: Sequence[str], root: Path) -> list[TaskSpec]:
 
 def _check_writable(root: Path, source: str) -> None:
     """DataError unless ``root`` is a directory or can be made one: the nearest existing path at or
-    above it must be a directory (``mkdir`` would otherwise fail with a bare NotADirectoryError)."""
+    above it must be a directory (``mkdir`` would otherwise fail with a bare NotADirectoryError, and
+    ``linicl data list`` would call every task "not found" and suggest a fetch that fails so)."""
     here = next((p for p in (root, *root.parents) if p.exists()), None)
     if here is not None and not here.is_dir():
         what = "is a file" if here == root else f"lies under {here}, which is a file"
@@ -233,8 +234,10 @@ def _status(spec: TaskSpec, root: Path) -> TaskStatus:
 
 def status(data_dir: str | os.PathLike | None = None) -> tuple[Path, str, list[TaskStatus]]:
     """(data directory, where that choice came from, one TaskStatus per known task, by name). The
-    directory need not exist: then only the shipped specs are known and every task is missing."""
+    directory need not exist: then only the shipped specs are known and every task is missing. A
+    ``data_dir`` that is a file, or lies under one, is refused (DataError): it can hold no task."""
     root, source = locate_data_dir(data_dir)
+    _check_writable(root, source)
     return root, source, [_status(spec, root) for spec in all_specs(root).values()]
 
 
@@ -261,7 +264,7 @@ def format_status(data_dir: str | os.PathLike | None = None) -> str:
     root, source, rows = status(data_dir)
     origin = {"data_dir": "--data-dir", "default": "the default cache; set LINICL_DATA_DIR or pass "
               "--data-dir to use another"}.get(source, source)
-    state = "" if root.is_dir() else " - not a directory" if root.exists() else " - does not exist yet"
+    state = "" if root.is_dir() else " - does not exist yet"  # a file is refused by status
     lines = [f"data directory: {root} ({origin}){state}"]
     table = [("task", "where", "size", "licence")]
     for row in rows:

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from linicl.config import ModelConfig
-from linicl.errors import LiniclError
-from linicl.names import NO_LINEAR_PART, PARAMS
+from linicl.errors import ConfigError, LiniclError
+from linicl.names import CACHE_RULES, NO_LINEAR_PART, PARAMS
 
 TRAINED = ("phi_q_W", "phi_q_b", "phi_k_W", "phi_k_b", "gate")
 
@@ -99,7 +99,11 @@ def window_config(teacher: ModelConfig, *, window: int, sinks: int = 4, cache: i
     ``student_variables(Transformer(cfg), teacher_variables)`` (its per-head window gates cancel between
     numerator and denominator, up to the model's own epsilon). ``cache``: also keep that many tokens
     that left the window, per head, chosen by ``cache_rule`` (default "attention": with no linear part,
-    LoLA's "recall" score is just |v|^2)."""
+    LoLA's "recall" score is just |v|^2). ``cache_rule`` must be one of ``CACHE_RULES`` even with
+    ``cache=0`` (where it has nothing to choose and the config keeps "recall"): a misspelt rule is
+    refused, not dropped."""
+    if not isinstance(cache_rule, str) or cache_rule not in CACHE_RULES:  # as ModelConfig would refuse it
+        raise ConfigError(f"window_config: cache_rule must be one of {CACHE_RULES}, got {cache_rule!r}")
     if not isinstance(teacher, ModelConfig) or teacher.attention != "softmax":
         raise LiniclError(f"window_config needs the ModelConfig of a softmax teacher, got "
                           f"{getattr(teacher, 'attention', type(teacher).__name__)!r}")

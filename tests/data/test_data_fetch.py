@@ -237,16 +237,19 @@ def test_a_damaged_file_shows_in_the_list_and_is_fetched_again(tmp_path, server,
 
 def test_a_data_dir_under_a_file_is_refused_saying_what_was_expected(tmp_path, capsys):
     """--data-dir below (or at) an existing file: a DataError saying a folder was expected, not a bare
-    NotADirectoryError from mkdir."""
+    NotADirectoryError from mkdir (fetch), nor a table of "not found" tasks ending in a suggested fetch
+    that would fail so (list, issue 52 item 9)."""
     file = tmp_path / "notes.txt"
     file.write_text("not a folder\n")
     for where, says in ((file / "data", f"lies under {file}, which is a file"), (file, "is a file")):
-        assert cli.main(["data", "fetch", "next_item", "--data-dir", str(where), "--no-progress"]) == 1
-        err = capsys.readouterr().err
-        assert f"linicl data fetch: error: data directory {str(where)!r} (from data_dir) {says}: expected a " \
-               f"directory" in err and "--data-dir" in err
-    assert cli.main(["data", "list", "--data-dir", str(file)]) == 0
-    assert f"data directory: {file} (--data-dir) - not a directory" in capsys.readouterr().out
+        for command in (["fetch", "next_item", "--no-progress"], ["list"]):
+            assert cli.main(["data", *command, "--data-dir", str(where)]) == 1
+            out, err = capsys.readouterr()
+            assert f"linicl data {command[0]}: error: data directory {str(where)!r} (from data_dir) {says}: " \
+                   f"expected a directory" in err and "--data-dir" in err
+            assert "not found" not in out and "linicl data fetch" not in out
+        with pytest.raises(DataError, match="expected a directory"):
+            F.status(where)
 
 
 def _closed_port() -> int:
