@@ -15,7 +15,8 @@ vocabulary 64, d_model 64: a persistent state has something to store) for each f
 or decay positions. Every setting runs the arms baseline, bias (b free), bias_nonneg (b >= 0),
 bias_B_only (b = 0) and bias_warm (b >= 0, started from a converted demonstration instead of zero:
 ``iclca.to_trainable``), 2 layers, 1,000 steps of batch 16 and seeds 0, 1, 2 (``--steps``, ``--seeds``;
-the other options as bias_training's defaults).
+the other options as bias_training's defaults; ``--quick``: 20 steps unless ``--steps`` says otherwise,
+and the report states the steps trained). The seeds are a set: in any order, the same run.
 
 **Verdict.** For each bias arm and threshold (50 % and 90 % held-out in-context accuracy): the steps
 the arm needs minus the baseline's, paired over seeds, with a Student-t 95 % interval
@@ -27,7 +28,8 @@ difference of an arm (to 90 %, to 50 %, final accuracy), "no difference" when th
 
 Each setting runs as its own ``bias_training.py`` process into ``OUT/<setting>/`` (checkpointed there);
 its summary (``OUT/<setting>/summary.json``: steps to thresholds, final accuracies, accuracy curves) marks
-it done, so a stopped grid resumes where it stopped, and processes given disjoint ``--only`` lists can
+it done (a summary that cannot be read, or is incomplete, is refused by name: delete it to rerun that
+setting), so a stopped grid resumes where it stopped, and processes given disjoint ``--only`` lists can
 share one OUT. Writes ``OUT/bias_grid.json`` and ``OUT/bias_grid.png`` over every setting once all are
 done; before that ``OUT/bias_grid_partial.json`` and ``.png`` over the finished ones.
 
@@ -43,11 +45,12 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 from tqdm.auto import tqdm
 
 from linicl import reporting
+from linicl.bias_training import FULL, QUICK
+from linicl.errors import DataError, LiniclError
 from linicl.reporting import positive_int
 from linicl.stats import paired_t
 
@@ -78,25 +81,61 @@ def settings(quick: bool) -> dict:
     return grid
 
 
-def read_summary(folder: Path, steps: Optional[int], seeds: list) -> dict:
-    """The summary in ``folder``; a ``ValueError`` if it was trained for other steps or seeds than asked
-    (``steps`` None: the quick mode's, not checked), so one OUT never mixes runs of different lengths."""
-    summary = json.loads((folder / "summary.json").read_text())
-    if (steps is not None and summary["steps"] != steps) or list(summary["seeds"]) != list(seeds):
-        raise ValueError(f"{folder}: finished with steps {summary['steps']} and seeds {summary['seeds']}, but "
-                         f"--steps {steps} and --seeds {seeds} were asked; use another --out")
+# What ``verdict`` and the report read of a setting's summary (``summarise`` writes them all).
+SUMMARY_FIELDS = ("model", "seeds", "steps", "eval_steps", "lr", "arms")
+ARM_FIELDS = ("steps", "reached", "final_ctx_acc", "finite", "min_denominator")
+REDO = "delete it to rerun that setting (bias_training resumes from its checkpoint in that folder)"
+
+
+def load_summary(path: Path) -> dict:
+    """A setting's ``summary.json``; a ``DataError`` naming the file, what it lacks and the fix when it
+    is not one (bad JSON, e.g. cut short; not an object; a field, the baseline or an arm's threshold
+    missing), never a JSON or KeyError traceback."""
+    summary = reporting.read_json(path, what="a bias_grid setting's summary", fix=REDO)
+    lacks = _lacks(summary)
+    if lacks:
+        raise DataError(f"{path}: an incomplete summary, without {', '.join(lacks)}; {REDO}")
     return summary
 
 
-def run_setting(key: str, args: list, out: Path, common: list) -> dict:
-    """Run one setting (resuming its checkpoint) unless its summary exists; return the summary."""
+def _lacks(summary: dict) -> list:
+    """The fields ``summary`` should have and has not (as ``arms.bias.steps.0.9``); [] when complete."""
+    lacks = [f for f in SUMMARY_FIELDS if f not in summary]
+    if lacks:
+        return lacks
+    if not (isinstance(summary["seeds"], list) and all(type(x) is int for x in summary["seeds"])
+            and type(summary["steps"]) is int):
+        return ["an int steps and a list of int seeds"]
+    arms = summary["arms"]
+    if not isinstance(arms, dict) or not isinstance(arms.get("baseline"), dict):
+        return ["arms.baseline"]
+    for arm, fields in arms.items():
+        if not isinstance(fields, dict):
+            return [f"arms.{arm} as an object"]
+        lacks += [f"arms.{arm}.{f}" for f in ARM_FIELDS if f not in fields]
+        lacks += [f"arms.{arm}.{f}.{t}" for f in ("steps", "reached") if f in fields
+                  for t in THRESHOLDS if not isinstance(fields[f], dict) or t not in fields[f]]
+    return lacks
+
+
+def read_summary(folder: Path, steps: int, seeds: list) -> dict:
+    """The summary in ``folder`` (checked by ``load_summary``); a ``LiniclError`` if it was trained for
+    other steps or seeds than asked, so one OUT never mixes runs of different lengths. Seeds are a set:
+    the same seeds in another order are the same run (each seed's numbers are its own)."""
+    summary = load_summary(folder / "summary.json")
+    if summary["steps"] != steps or sorted(summary["seeds"]) != sorted(seeds):
+        raise LiniclError(f"{folder}: finished with steps {summary['steps']} and seeds {summary['seeds']}, but "
+                          f"--steps {steps} and --seeds {seeds} were asked; use another --out")
+    return summary
+
+
+def run_setting(key: str, args: list, out: Path, common: list) -> None:
+    """Run one setting (resuming its checkpoint) unless its summary exists, and write its summary."""
     folder = out / key
     if (folder / "summary.json").exists():
-        return json.loads((folder / "summary.json").read_text())
+        return
     reporting.run_logged([sys.executable, str(SCRIPT), *args, *common, "--no-progress", "--out", str(folder)], folder)
-    summary = summarise(json.loads((folder / "bias_training.json").read_text()))
-    reporting.write_json(folder / "summary.json", summary)
-    return summary
+    reporting.write_json(folder / "summary.json", summarise(json.loads((folder / "bias_training.json").read_text())))
 
 
 def summarise(report: dict) -> dict:
@@ -205,10 +244,24 @@ def figure(plt, report: dict):
     return fig
 
 
+def train_steps(quick: bool, steps, error) -> int:
+    """The steps every setting trains: ``steps`` (``--steps``; None: bias_training's default, 20 with
+    ``quick``), which must be a multiple of bias_training's evaluation interval (``error(message)``
+    otherwise, e.g. the parser's, before anything trains)."""
+    base = QUICK if quick else FULL
+    steps = base["steps"] if steps is None else steps
+    if steps % base["eval_every"]:
+        error(f"--steps must be a multiple of {base['eval_every']} (bias_training evaluates every "
+              f"{base['eval_every']} steps{' with --quick' if quick else ''}), got {steps}")
+    return steps
+
+
 def main(argv=None) -> int:
     p = reporting.argument_parser(__doc__)
     reporting.add_common_args(p, out="results/bias_grid", quick="2 tiny settings (CI)")
-    p.add_argument("--steps", type=positive_int, default=1000, help="training steps per setting")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help=f"training steps per setting, a multiple of the evaluation interval (default {FULL['steps']}, "
+                        f"every {FULL['eval_every']}; with --quick {QUICK['steps']}, every {QUICK['eval_every']})")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (>= 2, for paired intervals)")
     p.add_argument("--only", nargs="+", default=None,
                    help="run only these settings (keys as in the JSON); other processes may run the rest into "
@@ -230,14 +283,15 @@ def main(argv=None) -> int:
     if args.settings:
         grid = {k: v for k, v in grid.items() if k in args.settings}
     known("--only", args.only)
-    common = ["--seeds", *map(str, args.seeds)] + ([] if args.quick else ["--steps", str(args.steps)])
+    steps = train_steps(args.quick, args.steps, p.error)
+    seeds = sorted(args.seeds)  # a set: every process sharing OUT passes them to bias_training alike
+    common = ["--seeds", *map(str, seeds), "--steps", str(steps)]
     out = Path(args.out)
-    steps = None if args.quick else args.steps
 
     def summary_of(key):
         try:
-            return read_summary(out / key, steps, args.seeds)
-        except ValueError as e:
+            return read_summary(out / key, steps, seeds)
+        except LiniclError as e:
             p.error(str(e))
 
     for key in grid:  # before any training: a finished setting of another length fails now, not in hours
@@ -255,7 +309,7 @@ def main(argv=None) -> int:
         results[key] = dict(args=grid[key], summary=summary, verdict=verdict(summary))
     complete = len(done) == len(grid)
     name = "bias_grid" if complete else "bias_grid_partial"
-    report = dict(grid=list(grid), seeds=args.seeds, steps=args.steps, quick=args.quick, complete=complete,
+    report = dict(grid=list(grid), seeds=seeds, steps=steps, quick=args.quick, complete=complete,
                   results=results, overall=overall(results), table=table(results), machine=reporting.machine_info())
     reporting.write_json(out / f"{name}.json", report)
     reporting.plot(out / f"{name}.png", figure, report)

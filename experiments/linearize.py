@@ -1,5 +1,6 @@
-"""Linearize SmolLM2 by attention transfer, then ask how much of its in-context learning survives in a
-model whose prompt is a finite state (and so converts into weights exactly).
+"""Linearize a pretrained softmax LM (``--model``: SmolLM2-135M by default, Gemma 3 270M with ``gemma3``, or a
+checkpoint) by attention transfer, then ask how much of its in-context learning survives in a model whose
+prompt is a finite state (and so converts into weights exactly).
 
 1. Stage 1 (``linicl.linearize.train_maps``): hedgehog maps plus an exact softmax window and sinks,
    trained so that every layer's attention output matches the softmax layer's on the teacher's own
@@ -15,13 +16,19 @@ model whose prompt is a finite state (and so converts into weights exactly).
    label-restricted argmax over the label words, as ``linicl.evaluate`` scores them) for the softmax
    model, the student, and the student after ``iclca.convert`` of the demonstrations (the query read
    alone: by construction the same predictions, checked), with Wilson intervals and the share of the
-   softmax model's few-shot gain the student keeps (``linicl.stats``).
+   softmax model's few-shot gain each method keeps (``linicl.stats``; a method that gives one answer for
+   every query is marked "(const)" and left out of the pooled share and the counts).
 4. Converted-query time and state size against prompt length, against the prompted student
    (``linicl.linearize.conversion_cost``).
+
+``--skip-held-out`` and ``--skip-timing`` leave out parts 2 and 4 (16 x 512-token texts and prompts up to
+4,096 tokens by default) when only the ICL table is wanted.
 
     python experiments/linearize.py --quick                  # tiny fixture model, CI-sized
     python experiments/linearize.py                          # SmolLM2: 200 steps of 4 x 512 tokens
     python experiments/linearize.py --maps OUT/maps.safetensors --steps 0   # evaluate given maps
+    python experiments/linearize.py --model gemma3 --maps linicl/linearize/artifacts/gemma3_maps.safetensors \\
+        --skip-held-out --skip-timing                        # the ICL table alone
 
 Writes ``OUT/linearize.json`` (every number), ``OUT/linearize.png``; prints the tables first.
 """
@@ -38,7 +45,7 @@ from linicl.compiled import enable_persistent_cache
 import linicl
 from linicl import data, linearize, reporting, stats
 from linicl.errors import LiniclError
-from linicl.linearize.icl import METHODS, RECOVERED, STAGE1
+from linicl.linearize.icl import METHODS, RECOVERED, STAGE1, gains_table, kept_half, shortest_prompt
 
 TRAIN_TASKS = ("sst2", "trec", "agnews", "cb", "antonym", "synonym", "present-past", "singular-plural",
                "capitalize", "country-capital", "country-currency", "english-french", "english-spanish",
@@ -86,6 +93,10 @@ def parse_args(argv=None):
     p.add_argument("--bos", choices=list(BOS_FLAG), default="auto")
     p.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 4096],
                    help="prompt lengths of the timing table")
+    p.add_argument("--skip-held-out", action="store_true",
+                   help="leave out part 2, the held-out next-token losses (--eval-seqs x --eval-len tokens per model)")
+    p.add_argument("--skip-timing", action="store_true",
+                   help="leave out part 4, the converted-query timing (prompts of --lengths tokens)")
     p.add_argument("--skip-approx", action="store_true",
                    help="leave the softmax model's learned-kernel conversion (and its control) out of the ICL table")
     p.add_argument("--resume", action="store_true",
@@ -109,7 +120,9 @@ def parse_args(argv=None):
 
 
 def load_teacher(args):
-    max_len = max(args.eval_len, max(args.lengths) + 64, 2048)
+    # room for the held-out text and the timed prompts, when the run measures them
+    max_len = max([2048] + ([] if args.skip_held_out else [args.eval_len])
+                  + ([] if args.skip_timing else [max(args.lengths) + 64]))
     loaded = linicl.lm.load(args.model, max_len=max_len, require_tokenizer=True)
     return loaded.model, loaded.variables, loaded.tokenizer, str(loaded.source)
 
@@ -144,62 +157,79 @@ def held_out(teacher, tv, student, sv, tok, args, stage1_sv=None) -> dict:
 
 
 def tables(report: dict) -> str:
-    lines = ["Held-out next-token loss (nats; text from the test splits), by position:", ""]
-    ho = report["held_out"]
+    """Every table of the report, as printed: held-out loss and timing only where the run measured them
+    (``--skip-held-out``, ``--skip-timing``)."""
+    parts = [_held_out_lines(report), _stage2_lines(report), _icl_lines(report), _gains_lines(report),
+             _timing_lines(report)]
+    return "\n".join(line for part in parts for line in part).rstrip("\n")
+
+
+def _held_out_lines(report: dict) -> list:
+    ho = report.get("held_out")
+    if not ho:
+        return []
     buckets = list(ho["softmax"]["by_position"])
     rows = [[m, f"{v['mean']:.3f}", f"{v['mean'] - ho['softmax']['mean']:+.3f}"] + [f"{v['by_position'][b]:.3f}" for b in buckets]
             for m, v in ho.items()]
-    lines += [reporting.markdown_table(["model", "mean", "gap"] + buckets, rows), ""]
+    return ["Held-out next-token loss (nats; text from the test splits), by position:", "",
+            reporting.markdown_table(["model", "mean", "gap"] + buckets, rows), ""]
+
+
+def _stage2_lines(report: dict) -> list:
     s2 = report.get("stage2")
-    if s2:
-        kl = s2["history"]["kl"]
-        lines += [f"Stage 2 (LoRA rank {s2['rank']} on q, k, v, o; {s2['tokens_seen']} tokens): KL to the teacher "
-                  f"{kl[0]:.3f} -> {kl[-1]:.3f} nats per token (training batches).", ""]
-    lines += ["ICL accuracy, % [95 % Wilson] (exact match on word tasks, label-restricted on label tasks; "
-              "(const) = one answer for every query):", ""]
-    present = lambda m: any(m in c for c in report["icl"].values())  # noqa: E731
-    methods = [m for m in METHODS if present(m)]
+    if not s2:
+        return []
+    kl = s2["history"]["kl"]
+    return [f"Stage 2 (LoRA rank {s2['rank']} on q, k, v, o; {s2['tokens_seen']} tokens): KL to the teacher "
+            f"{kl[0]:.3f} -> {kl[-1]:.3f} nats per token (training batches).", ""]
+
+
+def _present(report: dict) -> list:
+    """The methods of ``METHODS`` this run evaluated, in table order."""
+    return [m for m in METHODS if any(m in c for c in report["icl"].values())]
+
+
+def _icl_lines(report: dict) -> list:
+    methods = _present(report)
     rows = []
     for cell, res in report["icl"].items():
         rows.append([cell + ("" if res.get("converted_same_answers", True) else " (CONVERTED DIFFERS)")] + [(f"{100 * res[m]['accuracy']:.1f} [{100 * res[m]['ci_low']:.1f}, {100 * res[m]['ci_high']:.1f}]"
                                + (" (const)" if res[m]["constant"] else "")) if m in res else "-" for m in methods])
-    lines += [reporting.markdown_table(["task, k"] + methods, rows), ""]
-    lines += ["Share of the softmax model's few-shot gain the student keeps (only where the gain is significantly positive):", ""]
-    def share(r):
-        return "n.s. gain" if r is None else f"{r['value']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
-    # (method, its field in report["gains"]): the methods this run evaluated
-    kept = [(m, f) for m, f in RECOVERED.items() if present(m)]
-    rows = [[t, g["k"], f"{100 * g['gain']['value']:.1f} [{100 * g['gain']['low']:.1f}, {100 * g['gain']['high']:.1f}]"]
-            + [share(g.get(f)) for _, f in kept] for t, g in report["gains"].items()]
+    return ["ICL accuracy, % [95 % Wilson] (exact match on word tasks, label-restricted on label tasks; "
+            "(const) = one answer for every query):", "", reporting.markdown_table(["task, k"] + methods, rows), ""]
+
+
+def _gains_lines(report: dict) -> list:
+    kept = [m for m in RECOVERED if m in _present(report)]
     pooled = report.get("pooled_gain")
-    if pooled:
-        g = pooled["gain"]
-        rows.append([f"all {len(pooled['tasks'])} tasks, pooled (n={pooled['n']})", pooled["k"],
-                     f"{100 * g['value']:.1f} [{100 * g['low']:.1f}, {100 * g['high']:.1f}]"]
-                    + [share(pooled.get(m)) for m, _ in kept])
-    lines += [reporting.markdown_table(["task", "k", "softmax gain, points"] + [f"{m} keeps" for m, _ in kept],
-                                       rows), ""]
+    lines = ["Share of the softmax model's few-shot gain each method keeps (only where the gain is significantly "
+             "positive; (const) = one answer for every query, left out of the pooled share and the counts):", "",
+             gains_table(report["gains"], pooled, kept), ""]
     if pooled and "kernel_adds" in pooled:
         d = pooled["kernel_adds"]
         lines += [f"The learned kernel's terms add {100 * d['value']:+.1f} [{100 * d['low']:+.1f}, "
                   f"{100 * d['high']:+.1f}] points of pooled k={pooled['k']} accuracy over the kept tokens alone "
                   f"(paired bootstrap, same queries).", ""]
-    sig = [g for g in report["gains"].values() if g["student_recovered"] is not None]  # a significant gain
-    for m, field in kept:
-        half = sum(1 for g in sig if (g.get(field) or {}).get("value", 0) >= 0.5)
-        lines += [f"{m}: at least half of the gain on {half} of the {len(sig)} tasks with a significant gain "
-                  f"(of {len(report['gains'])} tasks)."]
-    lines += [""]
-    shortest = min((c["prompt_tokens"] for c in report["icl"].values() if c.get("prompt_tokens")), default=None)
+    for m in kept:
+        c = kept_half(report["gains"], m)
+        const = f"; left out, one answer for every query: {', '.join(c['constant'])}" if c["constant"] else ""
+        lines += [f"{m}: at least half of the gain on {len(c['half'])} of the {len(c['of'])} tasks with a significant "
+                  f"gain (of {len(report['gains'])} tasks{const})."]
+    shortest = shortest_prompt(report["icl"])
     if shortest is not None:
-        lines += [f"Shortest converted prompt: {shortest} tokens (student window "
-                  f"{report['settings']['window']}, sinks {report['settings']['sinks']}).", ""]
+        lines += ["", f"Shortest converted demonstration prompt: {shortest['tokens']} tokens ({shortest['cell']}; "
+                      f"student window {report['settings']['window']}, sinks {report['settings']['sinks']})."]
+    return lines + [""]
+
+
+def _timing_lines(report: dict) -> list:
+    if not report.get("timing"):
+        return []
     rows = [[r["prompt_len"], f"{r['prompted_s'] * 1e3:.1f}", f"{r['converted_s'] * 1e3:.1f}",
              f"{r['prompted_s'] / r['converted_s']:.1f}x", r["state_floats"], r["kv_cache_floats"],
              f"{r['logits_rel_err']:.1e}" if "logits_rel_err" in r else "-"] for r in report["timing"]]
-    lines += [reporting.markdown_table(["prompt", "prompted ms", "converted ms", "speed-up", "state floats",
-                                        "softmax KV floats", "converted vs prompted logits, rel. err"], rows)]
-    return "\n".join(lines)
+    return [reporting.markdown_table(["prompt", "prompted ms", "converted ms", "speed-up", "state floats",
+                                      "softmax KV floats", "converted vs prompted logits, rel. err"], rows)]
 
 
 def _icl_panel(ax, icl: dict):
@@ -224,24 +254,35 @@ def _icl_panel(ax, icl: dict):
 
 
 def figure(plt, report):
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    """Stage 1's training curve (when it trained) and the held-out loss by position (when measured); the
+    ICL accuracies against k in a panel either leaves free."""
     hist = report["stage1"].get("history")
-    if hist:
-        ax[0].semilogy(hist["step"], np.asarray(hist["loss"]) / len(hist["layers"][0]))
-        ax[0].set(xlabel="step", ylabel="relative attention-output MSE per layer", title="stage 1")
-    else:  # maps loaded, no training history: the ICL accuracies instead
-        _icl_panel(ax[0], report["icl"])
-    ho = report["held_out"]
-    for m in ("softmax", "student"):
-        ax[1].plot(list(ho[m]["by_position"]), list(ho[m]["by_position"].values()), "o-", label=m)
-    ax[1].set(xlabel="position bucket", ylabel="next-token loss (nats)", title="held-out text")
-    ax[1].legend()
+    panels = ([lambda ax: _history_panel(ax, hist)] if hist else []) + (
+        [lambda ax: _held_out_panel(ax, report["held_out"])] if report.get("held_out") else [])
+    if len(panels) < 2:
+        panels.append(lambda ax: _icl_panel(ax, report["icl"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for draw, ax in zip(panels, axes[0]):
+        draw(ax)
     fig.tight_layout()
     return fig
 
 
+def _history_panel(ax, hist: dict):
+    ax.semilogy(hist["step"], np.asarray(hist["loss"]) / len(hist["layers"][0]))
+    ax.set(xlabel="step", ylabel="relative attention-output MSE per layer", title="stage 1")
+
+
+def _held_out_panel(ax, ho: dict):
+    for m in ("softmax", "student"):
+        ax.plot(list(ho[m]["by_position"]), list(ho[m]["by_position"].values()), "o-", label=m)
+    ax.set(xlabel="position bucket", ylabel="next-token loss (nats)", title="held-out text")
+    ax.legend()
+
+
 # settings that change no number: a resumed run may differ in these
-PROGRESS_IGNORES = ("out", "progress", "plots", "resume", "data_dir", "lengths")
+# (the skip flags too: the parts they skip keep their own entries, and a later run without them adds those)
+PROGRESS_IGNORES = ("out", "progress", "plots", "resume", "data_dir", "lengths", "skip_held_out", "skip_timing")
 
 
 def main(argv=None) -> int:
@@ -280,17 +321,23 @@ def main(argv=None) -> int:
         return 0
     report = dict(settings=vars(args), model=dict(source=source, student=student.cfg.describe()), stage1=s1,
                   stage2=s2, machine=reporting.machine_info())
-    prog = reporting.Progress(os.path.join(args.out, "progress.json"),
-                              reporting.fingerprint(vars(args), ignore=PROGRESS_IGNORES), args.resume)
+    try:  # a progress file that holds no progress: named, with the fix, not a JSON traceback
+        prog = reporting.Progress(os.path.join(args.out, "progress.json"),
+                                  reporting.fingerprint(vars(args), ignore=PROGRESS_IGNORES), args.resume)
+    except LiniclError as e:
+        print(f"linearize: --resume: {e}", file=sys.stderr)
+        return 2
     report["resumed"] = prog.resumed
-    report["held_out"] = prog.get("held_out") or prog.put("held_out", held_out(
-        teacher, tv, student, sv, tok, args, stage1_sv=sv1))
+    if not args.skip_held_out:
+        report["held_out"] = prog.get("held_out") or prog.put("held_out", held_out(
+            teacher, tv, student, sv, tok, args, stage1_sv=sv1))
     report["icl"] = linearize.icl_table(teacher, tv, student, sv, tok, args.tasks, args.k, store=prog,
                                         data_dir=args.data_dir, progress=args.progress, seed=args.seed, n_eval=args.n_eval,
                                         add_bos=BOS_FLAG[args.bos], approx=not args.skip_approx, stage1_variables=sv1)
     report["gains"] = linearize.gains(report["icl"], args.tasks, max(args.k))
     report["pooled_gain"] = linearize.pooled_gain(report["icl"], args.tasks, max(args.k))
-    report["timing"] = linearize.conversion_cost(student, sv, args.lengths)
+    if not args.skip_timing:
+        report["timing"] = linearize.conversion_cost(student, sv, args.lengths)
     report["wall_s"] = time.perf_counter() - t0
     reporting.publish(args.out, "linearize", report, tables(report), figure, args.plots)
     return 0

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from linicl.errors import LiniclError
+from linicl.errors import DataError, LiniclError
 
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'linicl[plots]')"
 _said_skipped = False  # the line above is printed once per process, however many plots are skipped
@@ -169,6 +169,28 @@ def write_json(path, obj: Any, *, indent: Optional[int] = 1) -> Path:
     return path
 
 
+def read_json(path, *, what: str, fix: str, kind: type = dict) -> Any:
+    """The JSON value in ``path`` (a file this package wrote, e.g. a run's progress or summary), which
+    must be a ``kind`` (a dict by default). An unreadable file, bad JSON (say, a copy cut short) or
+    another type is a ``DataError`` naming the path, ``what`` the file should hold and ``fix`` (what to
+    do, e.g. "delete it to restart"), never a bare JSON traceback."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: cannot be read as {what} ({e}); {fix}") from None
+    if not isinstance(value, kind):
+        raise DataError(f"{path}: should hold {what} ({_json_kind(kind)}), got {_json_kind(type(value))}; {fix}")
+    return value
+
+
+def _json_kind(t: type) -> str:
+    """What JSON calls values of the Python type ``t`` (``dict``: "an object"), for messages."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(t, f"a {t.__name__}")
+
+
 def markdown_table(header: Sequence[Any], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table: ``| a | b |``, ``|---|---|``, then one line per row. An empty cell is
     written ``| |``."""
@@ -253,6 +275,9 @@ class Progress:
     settings, or ``resume=False``, starts afresh (said on stderr when a file is set aside); with
     ``refuse_other`` a file made under other settings is an error instead (``LiniclError``: a run whose
     saved work is expensive should not be thrown away by a mistyped flag).
+    A file that holds no progress (bad JSON, e.g. cut short; not an object; ``results`` or ``timings``
+    not objects) is a ``DataError`` naming it, whatever the settings: never read as empty progress;
+    deleting it restarts the run.
 
         prog = reporting.Progress(os.path.join(out, "progress.json"), fingerprint(vars(args), ignore), resume)
         for key in cells:
@@ -263,8 +288,7 @@ class Progress:
         self.path = Path(path)
         self.state = {"fingerprint": fp, "timings": {}, "results": {}}
         if resume and self.path.exists():
-            with open(self.path) as f:
-                old = json.load(f)
+            old = self._read()
             if old.get("fingerprint") == fp:
                 self.state = {**self.state, **old}
             elif refuse_other:
@@ -274,6 +298,17 @@ class Progress:
                 print(f"resume: {self.path} was made under other settings ({old.get('fingerprint')} != {fp}); "
                       "starting afresh", file=sys.stderr)
         self.resumed = bool(self.state["timings"] or self.state["results"])
+
+    def _read(self) -> dict:
+        """The saved state; a ``DataError`` naming the file when it is not one (cut short, edited, or
+        another file by that name): its work cannot be reused, and deleting it restarts the run."""
+        fix = "delete it to start this run afresh (or use another output folder)"
+        old = read_json(self.path, what="a run's progress", fix=fix)
+        for part in ("results", "timings"):  # what get, put, done and timed read and write in place
+            if not isinstance(old.get(part, {}), dict):
+                raise DataError(f"{self.path}: its {part!r} should be an object, got "
+                                f"{_json_kind(type(old[part]))}; {fix}")
+        return old
 
     @property
     def results(self) -> dict:

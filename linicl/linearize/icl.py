@@ -17,7 +17,9 @@ demonstrations, ``data.build_eval_set(same_demos=True)``) with every method of `
 A label task (``task.labels``: sst2, cb, ...) is scored by label-restricted argmax over its label words,
 an open-ended one by exact match of the greedy answer (``linicl.evaluate``). The share of the
 teacher's few-shot gain a method keeps is ``stats.recovered`` (Wilson intervals per cell, bootstrap
-intervals for gains and shares).
+intervals for gains and shares); a method that gave one answer for every query is set apart (``gains``'
+``constant``), left out of ``kept_half`` and of the pooled share (``pooled_gain``), and marked in
+``gains_table``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from linicl import iclca, stats
+from linicl import iclca, reporting, stats
 from linicl.data import build_eval_set, check_label_words, load_task, template_for
 from linicl.errors import LiniclError
 from linicl.evaluate import evaluate_prompts
@@ -137,11 +139,18 @@ def icl_table(teacher, teacher_variables, student, student_variables, tokenizer,
     return {f"{name} k={k}": store.get(f"{name} k={k}") for name in tasks for k in ks}
 
 
+def _constant(cell: Mapping, method: str) -> bool:
+    """Whether ``method`` gave one answer for every query of ``cell`` (``EvalResult.constant``)."""
+    return bool(cell.get(method, {}).get("constant", False))
+
+
 def gains(rows: Mapping[str, dict], tasks: Sequence[str], k: int) -> dict:
     """Per task with both cells in ``rows`` (``icl_table``): the teacher's few-shot gain at ``k`` over
     k = 0 (``stats.gain``) and the share of it each method kept (``stats.recovered``; None where the
-    gain is not significantly positive), as ``{task: {"k", "gain", "student_recovered", ...}}`` (the
-    fields of ``RECOVERED``)."""
+    gain is not significantly positive), as ``{task: {"k", "gain", "student_recovered", ..., "constant"}}``
+    (the fields of ``RECOVERED``). ``constant``: the methods of ``RECOVERED`` that gave one answer for
+    every query at ``k``: their share only says how often that answer is gold (" 5" on a numeric
+    task can "keep" 1.2 of a gain), so ``kept_half``, ``pooled_gain`` and ``gains_table`` set them apart."""
     out = {}
     for name in tasks:
         zero, few = rows.get(f"{name} k=0"), rows.get(f"{name} k={k}")
@@ -154,6 +163,7 @@ def gains(rows: Mapping[str, dict], tasks: Sequence[str], k: int) -> dict:
             if m in few:
                 rec = stats.recovered(few[m]["correct"], f, z)
                 out[name][RECOVERED[m]] = None if rec is None else rec._asdict()
+        out[name]["constant"] = [m for m in RECOVERED if m in few and _constant(few, m)]
     return out
 
 
@@ -161,23 +171,83 @@ def pooled_gain(rows: Mapping[str, dict], tasks: Sequence[str], k: int) -> Optio
     """The teacher's gain at ``k`` over every task's queries pooled (equal numbers per task: the mean over
     tasks) and the share of it each method kept, with bootstrap intervals; ``kernel_adds``: what the
     learned kernel's terms add over the tokens they leave exact (``APPROX`` - ``KEPT_ONLY`` accuracy,
-    paired bootstrap on the same queries). None without a task holding both cells, or at k = 0."""
+    paired bootstrap on the same queries). None without a task holding both cells, or at k = 0.
+
+    A method's share leaves out the tasks where it answered one word to every query at ``k`` (a
+    constant predictor keeps no in-context learning, whatever its accuracy): ``constant`` names them
+    per method, and ``with_constant`` holds that method's share over every task, so both are reported."""
     names = [t for t in tasks if f"{t} k=0" in rows and f"{t} k={k}" in rows]
     if not names or k == 0:
         return None
 
-    def flat(cell, m):
-        return np.concatenate([rows[f"{t} k={cell}"][m]["correct"] for t in names])
+    def flat(cell, m, among=names):
+        return np.concatenate([rows[f"{t} k={cell}"][m]["correct"] for t in among])
+
+    def share(m, among):
+        rec = stats.recovered(flat(k, m, among), flat(k, SOFTMAX, among), flat(0, SOFTMAX, among)) if among else None
+        return None if rec is None else rec._asdict()
     zero, few = flat(0, SOFTMAX), flat(k, SOFTMAX)
-    out = dict(k=k, tasks=names, n=int(zero.size), gain=stats.gain(few, zero)._asdict())
+    out = dict(k=k, tasks=names, n=int(zero.size), gain=stats.gain(few, zero)._asdict(), constant={}, with_constant={})
     for m in (STUDENT, STAGE1, APPROX, KEPT_ONLY):
         if all(m in rows[f"{t} k={k}"] for t in names):
-            rec = stats.recovered(flat(k, m), few, zero)
-            out[m] = None if rec is None else rec._asdict()
+            constant = [t for t in names if _constant(rows[f"{t} k={k}"], m)]
+            out[m] = share(m, [t for t in names if t not in constant])
+            if constant:
+                out["constant"][m], out["with_constant"][m] = constant, share(m, names)
     if all(APPROX in rows[f"{t} k={k}"] and KEPT_ONLY in rows[f"{t} k={k}"] for t in names):
         out["kernel_adds"] = stats.paired_bootstrap(flat(k, APPROX), flat(k, KEPT_ONLY))._asdict()
     return out
 
 
+def kept_half(gains_: Mapping[str, dict], method: str) -> dict:
+    """Of the tasks in ``gains_`` (``gains``) with a significantly positive gain, those where ``method``
+    (a key of ``RECOVERED``) kept at least half of it: ``{"half": [...], "of": [...], "constant": [...]}``.
+    ``of``: the significant tasks where it gave more than one answer; ``constant``: those where it gave
+    one answer for every query, left out of both counts (its share there is no kept learning)."""
+    field = RECOVERED[method]
+    sig = [t for t, g in gains_.items() if g.get(field) is not None]
+    constant = [t for t in sig if method in gains_[t].get("constant", ())]
+    of = [t for t in sig if t not in constant]
+    return dict(half=[t for t in of if gains_[t][field]["value"] >= 0.5], of=of, constant=constant)
+
+
+def shortest_prompt(rows: Mapping[str, dict]) -> Optional[dict]:
+    """The shortest converted prompt holding demonstrations (k >= 1; a k = 0 prompt converts BOS at
+    most) over the cells of ``rows`` (``icl_table``): ``{"tokens", "cell"}``, None when there is none."""
+    demos = [(c["prompt_tokens"], key) for key, c in rows.items()
+             if c.get("prompt_tokens") and c.get(SOFTMAX, {}).get("k", 0) >= 1]
+    if not demos:
+        return None
+    tokens, key = min(demos)
+    return dict(tokens=tokens, cell=key)
+
+
+def _interval(d: dict, scale: float = 1.0, places: int = 2) -> str:
+    return f"{scale * d['value']:.{places}f} [{scale * d['low']:.{places}f}, {scale * d['high']:.{places}f}]"
+
+
+def gains_table(gains_: Mapping[str, dict], pooled: Optional[dict], methods: Sequence[str]) -> str:
+    """The Markdown table of the teacher's gain per task (``gains``) and the share each of ``methods``
+    (keys of ``RECOVERED``) kept, with the pooled row (``pooled_gain``) last. "n.s. gain" where the gain
+    is not significantly positive; "(const)" after a share from one answer for every query. The pooled
+    share leaves those tasks out ("without const: ...") and gives the share over every task after it."""
+    def share(g: Optional[dict]) -> str:
+        return "n.s. gain" if g is None else _interval(g)
+
+    rows = [[t, g["k"], _interval(g["gain"], 100, 1)]
+            + [share(g.get(RECOVERED[m])) + (" (const)" if m in g.get("constant", ()) else "") for m in methods]
+            for t, g in gains_.items()]
+    if pooled:
+        cells = []
+        for m in methods:
+            left_out = pooled.get("constant", {}).get(m)
+            cells.append(share(pooled.get(m)) + (f" (without const {', '.join(left_out)}; all tasks: "
+                                                 f"{share(pooled['with_constant'][m])})" if left_out else ""))
+        rows.append([f"all {len(pooled['tasks'])} tasks, pooled (n={pooled['n']})", pooled["k"],
+                     _interval(pooled["gain"], 100, 1)] + cells)
+    return reporting.markdown_table(["task", "k", "softmax gain, points"] + [f"{m} keeps" for m in methods], rows)
+
+
 __all__ = ["SOFTMAX", "STUDENT", "STAGE1", "CONVERTED", "APPROX", "KEPT_ONLY", "METHODS", "RECOVERED",
-           "check_scorable", "icl_cell", "icl_table", "gains", "pooled_gain"]
+           "check_scorable", "icl_cell", "icl_table", "gains", "pooled_gain", "kept_half", "shortest_prompt",
+           "gains_table"]

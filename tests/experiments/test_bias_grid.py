@@ -2,12 +2,16 @@
 over seeds with censoring, and a quick run writes every setting and resumes without rerunning them."""
 
 import importlib.util
+import itertools
 import json
 import shutil
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO
+
+from linicl import reporting
 
 SCRIPT = REPO / "experiments" / "bias_grid.py"
 _spec = importlib.util.spec_from_file_location("bias_grid", SCRIPT)
@@ -91,6 +95,79 @@ def test_quick_grid_writes_every_setting_and_resumes(tmp_path):
     assert small["complete"] and small["grid"] == ["quick-elu+1"] and list(small["results"]) == ["quick-elu+1"]
     unknown = subprocess.run(cmd + ["--settings", "nope"], capture_output=True, text=True, timeout=300)
     assert unknown.returncode == 2 and "--settings" in unknown.stderr
+
+
+def _fake_bias_training(calls):
+    """``reporting.run_logged`` standing in for bias_training.py: records the command and writes the
+    bias_training.json its --steps and --seeds ask for (numbers that differ by seed and arm)."""
+    def run_logged(cmd, folder):
+        calls.append(list(cmd))
+        steps, at = int(cmd[cmd.index("--steps") + 1]), cmd.index("--seeds") + 1
+        seeds = [int(x) for x in itertools.takewhile(lambda x: not x.startswith("--"), cmd[at:])]
+        arms = {arm: dict(steps_to_ctx_acc={t: dict(per_seed=[steps // 2 + 5 * j * (a + 1) for j in range(len(seeds))])
+                                            for t in bg.THRESHOLDS},
+                          eval=dict(ctx_acc={str(x): [0.5, 0.9 - 0.01 * j * a] for j, x in enumerate(seeds)}),
+                          finite=True, denominators=dict(min_train=0.1), eval_steps=[0, steps])
+                for a, arm in enumerate(("baseline",) + bg.BIAS_ARMS)}
+        config = dict(steps=steps, eval_every=5, seeds=seeds, model="fake", lr=1e-3)
+        reporting.write_json(folder / "bias_training.json", dict(config=config, arms=arms))
+    return run_logged
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    calls = []
+    monkeypatch.setattr(reporting, "run_logged", _fake_bias_training(calls))
+    return calls
+
+
+def _refused(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        bg.main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_quick_mode_trains_the_steps_asked_and_reports_them(tmp_path, fake_training, capsys):
+    """Issue 52 item 2: --quick --steps 50 trained 20 steps and reported steps=50."""
+    quick = ["--quick", "--no-progress", "--out", str(tmp_path)]
+    assert bg.main(quick + ["--steps", "50"]) == 0
+    assert fake_training and all(c[c.index("--steps") + 1] == "50" for c in fake_training)
+    report = json.loads((tmp_path / "bias_grid.json").read_text())
+    assert report["steps"] == 50 and all(r["summary"]["steps"] == 50 for r in report["results"].values())
+    # The same OUT without --steps (quick's 20): another length, refused before anything trains.
+    assert "finished with steps 50" in _refused(capsys, quick) and len(fake_training) == 2
+    assert "multiple of 5" in _refused(capsys, quick + ["--steps", "52"])
+    assert "multiple of 50" in _refused(capsys, ["--steps", "1020", "--out", str(tmp_path / "full")])
+    assert bg.train_steps(True, None, None) == 20 and bg.train_steps(False, None, None) == 1000
+
+
+def test_a_seed_list_in_another_order_is_the_same_run(tmp_path, fake_training):
+    """Issue 52 item 16: a finished setting of seeds 0 1 2 is read again by --seeds 2 0 1 (nothing rerun)."""
+    quick = ["--quick", "--no-progress", "--out", str(tmp_path)]
+    assert bg.main(quick + ["--seeds", "2", "0", "1"]) == 0
+    assert all(c[c.index("--seeds") + 1:c.index("--seeds") + 4] == ["0", "1", "2"] for c in fake_training)
+    assert bg.main(quick + ["--seeds", "1", "2", "0"]) == 0 and len(fake_training) == 2
+    assert json.loads((tmp_path / "bias_grid.json").read_text())["seeds"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda text: text[:len(text) // 2], "cannot be read as a bias_grid setting's summary"),  # cut short
+    (lambda text: "[1, 2]", "got an array"),
+    (lambda text: text.replace('"baseline"', '"base"'), "without arms.baseline"),
+    (lambda text: text.replace('"min_denominator"', '"min_den"'), "without arms.baseline.min_denominator"),
+    (lambda text: text.replace('"0.9"', '"0.95"'), "without arms.baseline.steps.0.9"),
+    (lambda text: text.replace('"steps"', '"n_steps"', 1), "without steps")])
+def test_a_broken_summary_is_refused_by_name_before_anything_trains(tmp_path, fake_training, capsys, damage, says):
+    """Issue 52 item 16: a corrupt or incomplete OUT/<setting>/summary.json was a JSON or KeyError traceback
+    naming no file; now the file, what it lacks and the fix (delete it to rerun that setting)."""
+    quick = ["--quick", "--no-progress", "--out", str(tmp_path)]
+    assert bg.main(quick + ["--only", "quick-elu+1"]) == 0
+    path = tmp_path / "quick-elu+1" / "summary.json"
+    path.write_text(damage(path.read_text()))
+    err = _refused(capsys, quick)
+    assert f"{path}: " in err and says in err and "delete it to rerun that setting" in err, err
+    assert len(fake_training) == 1  # the other setting was not started
 
 
 def test_the_longer_runs_are_settings_of_the_grid():

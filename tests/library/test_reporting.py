@@ -3,6 +3,7 @@ experiment scripts."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from linicl import reporting
-from linicl.errors import LiniclError
+from linicl.errors import DataError, LiniclError
 from helpers import REPO
 
 
@@ -149,6 +150,32 @@ def test_progress_can_refuse_a_file_of_other_settings(tmp_path):
         reporting.Progress(path, "fp2", refuse_other=True)
     assert reporting.Progress(path, "fp1", refuse_other=True).get("cell") == 1  # the file was left as it was
     assert reporting.Progress(path, "fp2", resume=False, refuse_other=True).get("cell") is None
+
+
+@pytest.mark.parametrize("text, says", [("{\"fingerprint\": \"fp1\", \"res", "cannot be read"),  # cut short
+                                         ("[1, 2]", "got an array"),
+                                         ('{"fingerprint": "fp1", "results": [1]}', "'results' should be an object"),
+                                         ('{"fingerprint": "fp2", "timings": 3}', "'timings' should be an object")])
+def test_progress_refuses_a_file_that_holds_no_progress_by_name(tmp_path, text, says):
+    """A corrupt or list-valued progress.json: a DataError naming the file and the fix, never a JSON or
+    AttributeError traceback, and never read as empty progress (whatever the settings)."""
+    path = tmp_path / "progress.json"
+    path.write_text(text)
+    for refuse in (False, True):
+        with pytest.raises(DataError, match=rf"{re.escape(str(path))}: .*{says}.*delete it"):
+            reporting.Progress(path, "fp1", refuse_other=refuse)
+    assert path.read_text() == text  # left as it was, for whoever wants to look at it
+    assert reporting.Progress(path, "fp1", resume=False).get("cell") is None  # not resuming: not read
+
+
+def test_read_json_names_the_file_what_it_should_hold_and_the_fix(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text('{"a": 1}')
+    assert reporting.read_json(path, what="a summary", fix="delete it") == {"a": 1}
+    with pytest.raises(DataError, match=r"s.json: should hold a summary \(an array\), got an object; delete it"):
+        reporting.read_json(path, what="a summary", fix="delete it", kind=list)
+    with pytest.raises(DataError, match=r"missing.json: cannot be read as a summary .*; rerun"):
+        reporting.read_json(tmp_path / "missing.json", what="a summary", fix="rerun")
 
 
 def test_run_logged_keeps_the_output_and_names_the_log_of_a_failure(tmp_path):

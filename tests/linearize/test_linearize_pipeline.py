@@ -115,6 +115,43 @@ def test_gains_and_pooled_gain_follow_linicl_stats():
     assert LZ.gains(rows, ["a"], 4)["a"]["student_recovered"] is None
 
 
+def test_a_constant_student_is_flagged_and_left_out_of_the_pooled_share_and_the_counts():
+    """Issue 52 item 19: a student answering one word to every query (" 5" on a numeric task) "kept"
+    1.20 of the gain, counted among the tasks keeping half and went into the pooled share, marked only in
+    the accuracy table. Now flagged in the gains table and left out of both (its share over every task
+    reported beside, named)."""
+    zero, few = [0] * 20, [1] * 10 + [0] * 10
+    lucky, half = [1] * 12 + [0] * 8, [1] * 5 + [0] * 15
+    rows = {"num k=0": _cell(zero, zero), "num k=4": _cell(few, lucky),
+            "word k=0": _cell(zero, zero), "word k=4": _cell(few, half)}
+    rows["num k=4"][ICL.STUDENT]["constant"] = True  # " 5" every time: gold 12 times of 20
+    g = LZ.gains(rows, ["num", "word"], 4)
+    assert g["num"]["constant"] == [ICL.STUDENT] and g["word"]["constant"] == []
+    assert g["num"]["student_recovered"]["value"] == pytest.approx(1.2)  # the share itself, as measured
+    assert ICL.kept_half(g, ICL.STUDENT) == dict(half=["word"], of=["word"], constant=["num"])
+    p = LZ.pooled_gain(rows, ["num", "word"], 4)
+    assert p[ICL.STUDENT] == stats.recovered(half, few, zero)._asdict()  # the varied task alone
+    assert p["constant"] == {ICL.STUDENT: ["num"]}
+    assert p["with_constant"][ICL.STUDENT] == stats.recovered(lucky + half, few + few, zero + zero)._asdict()
+    table = ICL.gains_table(g, p, [ICL.STUDENT]).splitlines()
+    assert "| num | 4 | 50.0 [" in table[2] and table[2].endswith("(const) |")
+    assert "(const)" not in table[3] and "(without const num; all tasks: 0.85 [" in table[4]
+    # Without a constant method nothing is set apart, and the table reads as before.
+    rows["num k=4"][ICL.STUDENT]["constant"] = False
+    p = LZ.pooled_gain(rows, ["num", "word"], 4)
+    assert p["constant"] == {} and p[ICL.STUDENT]["value"] == pytest.approx(0.85)
+    assert "const" not in ICL.gains_table(LZ.gains(rows, ["num", "word"], 4), p, [ICL.STUDENT])
+
+
+def test_shortest_prompt_is_a_demonstration_prompt():
+    """Issue 52 item 20: "Shortest converted prompt: 1 tokens" came from the k = 0 cells (BOS alone)."""
+    def cell(k, n):
+        return {ICL.SOFTMAX: {"k": k, "correct": [0]}, "prompt_tokens": n}
+    rows = {"a k=0": cell(0, 1), "a k=1": cell(1, 9), "b k=0": cell(0, 0), "b k=4": cell(4, 30)}
+    assert ICL.shortest_prompt(rows) == dict(tokens=9, cell="a k=1")
+    assert ICL.shortest_prompt({"a k=0": cell(0, 1)}) is None
+
+
 def test_icl_table_resumes_from_its_store_and_runs_headline_cells_first(monkeypatch):
     calls = []
 
