@@ -2,7 +2,8 @@
 
 * ``ModelConfig``, ``Transformer``: the model zoo (linear and softmax attention); ``generate``.
 * ``linicl.iclca``: exact conversion of a prompt into linear-attention bias terms (and the
-  approximate one for softmax models); ``linicl.approx``: the approximate conversion evaluated
+  approximate one for softmax models, with ``linicl.selection``: which exact prompt keys a long
+  prompt keeps); ``linicl.approx``: the approximate conversion evaluated
   against the prompted model.
 * ``linicl.implicit``: implicit weight updates; ``linicl.routing``: In-Context Routing.
 * ``linicl.bias_training``: trainable bias terms (B, b) trained against the same model without them
@@ -33,8 +34,8 @@ __version__ = "0.1.0"
 SUBMODULES = ("activations", "approx", "batching", "benchmarking", "bias_training", "capacity", "checkpoint",
               "cli", "compiled", "config", "data", "diagnostics", "errors", "evaluate", "fidelity",
               "generation", "iclca", "implicit", "interventions", "kernels", "linearize", "lm", "memory",
-              "metrics", "names", "nn", "parallel", "precision", "recovery", "reporting", "routing", "stats",
-              "timing", "training", "verify")
+              "metrics", "names", "nn", "parallel", "precision", "recovery", "reporting", "routing", "selection",
+              "stats", "timing", "training", "verify")
 
 
 def __getattr__(name: str):

@@ -32,7 +32,7 @@ import numpy as np
 from flax import struct, traverse_util
 from jax.experimental import checkify
 
-from linicl import compiled
+from linicl import compiled, selection
 from linicl._validate import check_fits, check_tokens, is_concrete
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError, NotExactError
@@ -40,10 +40,11 @@ from linicl.interventions import capture
 from linicl.kernels import prompt_kernels
 from linicl.kernels.positions import apply_rope
 from linicl.kernels.softmax_attention import repeat_kv
-from linicl.names import (APPROX_FORMS, APPROX_KERNELS, BIAS_PARAMS, DECODE, POSITION, PROMPT_APPROX,
-                          PROMPT_COLLECTIONS, PROMPT_STATE, SHORT_CONV_STATE, block_site, layer_scope, scope_layer)
-from linicl.nn.norms import make_norm
+from linicl.names import (APPROX_FORMS, APPROX_KERNELS, BIAS_PARAMS, DECODE, NO_KERNEL, POSITION, POSITIONLESS_SCORES,
+                          PROMPT_APPROX, PROMPT_COLLECTIONS, PROMPT_STATE, SELECTION_SCORES, SHORT_CONV_STATE,
+                          block_site, layer_scope, scope_layer)
 from linicl.nn.transformer import config_of, position_offset
+from linicl.selection import scored_queries
 
 Variables = Mapping[str, Any]
 
@@ -292,10 +293,14 @@ class PromptApprox:
     """A softmax layer's kernel-approximated prompt (``variables["prompt_approx"][layer]["attn"]["approx"]``).
 
     Attributes:
-      B: ``f[batch or 1, heads, F, d_head]``, b: ``f[batch or 1, heads, F]``: the prompt's bias terms.
+      B: ``f[batch or 1, heads, F, d_head]``, b: ``f[batch or 1, heads, F]``: the prompt's bias terms;
+        None with ``kernel="none"`` (the prompt tokens not kept exact are dropped).
       W: positive-random-feature projections ``f[heads, m, d_head]`` (kernel ``"prf"``), else None.
       sink_k, sink_v: ``f[batch or 1, kv_heads, s, d_head]`` prompt keys (rotated) and values kept
-        exact, with their positions ``sink_pos: int32[s]``; None when no token is kept.
+        exact, with their positions ``sink_pos``: ``int32[s]`` when every head keeps the same tokens
+        (sinks and window), or ``int32[1, kv_heads, s]`` for a selection (``keep``): each KV head's
+        own tokens, padded to the longest head with -1 (a slot no query sees); None when no token is
+        kept.
       phi_W: ``f[heads, d_head, m]``, phi_b: ``f[heads, m]``: the query map phi_q of the
         ``"learned"`` kernel (F = 2m), else None.
       g: ``f[heads]``, the weight g_h of the exact keys in the hybrid form (kernel ``"learned"``);
@@ -365,6 +370,9 @@ def _check_approx_args(cfg, kernel, form, lam, sinks, window, n, fit_inputs, n_f
     if not _is_int(window) or not 0 <= window <= n - sinks:
         raise LiniclError(f"window must be an int in [0, {n - sinks}] (last prompt tokens kept exact; the "
                           f"prompt has {n} tokens and sinks={sinks}), got {window!r}")
+    if kernel == NO_KERNEL and (form == "mix" or fit_inputs is not None):
+        raise LiniclError("kernel='none' stores no kernel terms: form='mix' (their own normaliser) and "
+                          "fit_inputs (a fit of them) do not apply")
     if form == "mix" and sinks + window == n:
         raise LiniclError("form='mix' needs at least one linearised prompt token (sinks + window < prompt length)")
     if not cfg.causal:
@@ -422,11 +430,78 @@ def _check_maps_use(cfg: ModelConfig, kernel: str, maps) -> None:
                           f"has attention={cfg.attention!r} (a linear model converts exactly: iclca.convert)")
 
 
+def _kept_defaults(sinks, window, keep) -> tuple:
+    """``(sinks, window)``: as given, else 0 and 0, or 4 sinks and a 16-token window with ``keep``
+    (StreamingLLM's sinks; the tokens every later query reads first)."""
+    return (sinks if sinks is not None else (0 if keep is None else 4),
+            window if window is not None else (0 if keep is None else 16))
+
+
+def _kernel_floats(cfg: ModelConfig, kernel: str, learned, Ws) -> int:
+    """Floats of the kernel terms (B, b) over the global layers: heads * (F * d_head + F)."""
+    if kernel == NO_KERNEL:
+        return 0
+    x = jax.ShapeDtypeStruct((1, cfg.n_heads, 1, cfg.head_dim), cfg.jnp_dtype)
+    total = 0
+    for l in cfg.global_layers:
+        maps = (learned[l]["phi_k_W"], learned[l]["phi_k_b"]) if learned is not None else (Ws[l],)
+        F = jax.eval_shape(lambda x: prompt_kernels.features(kernel, x, *maps), x).shape[-1]
+        total += cfg.n_heads * (F * cfg.head_dim + F)
+    return total
+
+
+def _select(model, variables, prompt, keep, score, allocation, sinks, window, instruction, chunk, seed,
+            kernel, fit_inputs, form, learned, Ws):
+    """``(kept bool[layers, kv_heads, n], index int32[layers, kv_heads, m], valid bool[...])``: the
+    selection of ``convert_approx(keep=...)``."""
+    cfg = config_of(model)
+    if prompt.shape[0] != 1:
+        raise LiniclError(f"keep selects per prompt: pass a batch-1 prompt, got batch {prompt.shape[0]}")
+    if not is_concrete(prompt):
+        raise LiniclError("keep selects with data-dependent sizes: call convert_approx eagerly, not under jit")
+    if fit_inputs is not None:
+        raise LiniclError("keep and fit_inputs do not combine: the fit targets a fixed set of linearised tokens")
+    if form == "mix" and kernel == NO_KERNEL:
+        raise LiniclError("form='mix' reads the kernel terms under their own normaliser; kernel='none' has none")
+    if score not in SELECTION_SCORES:
+        raise LiniclError(f"score must be one of {SELECTION_SCORES}, got {score!r}")
+    allocation = selection.default_allocation(score) if allocation is None else allocation
+    if allocation == "global" and score in POSITIONLESS_SCORES:
+        raise LiniclError(f"allocation='global' ranks scores across heads, but score={score!r} says nothing "
+                          f"about which head needs more; use allocation='uniform'")
+    if not _is_int(chunk) or chunk < 1:
+        raise LiniclError(f"chunk must be a positive int (tokens the selection reads at once), got {chunk!r}")
+    n = prompt.shape[1]
+    tokens = selection.token_budget(cfg, n, keep, extra_floats=_kernel_floats(cfg, kernel, learned, Ws))
+    scores = selection.score_prompt(model, variables, np.asarray(prompt), score, chunk=chunk, sinks=sinks,
+                                    instruction=instruction, seed=seed)
+    kept = selection.allocate(scores, tokens, sinks=sinks, window=window, allocation=allocation)
+    return (kept,) + selection.kept_entries(kept)
+
+
+def _kept_entries(cfg: ModelConfig, k, v, kept, index, valid, i: int) -> tuple:
+    """``(sink_k, sink_v, sink_pos)`` of global layer ``i``'s selection: each KV head's kept keys and
+    values ``f[1, kv_heads, m, d]`` and positions ``int32[1, kv_heads, m]`` (-1: padding)."""
+    idx = jnp.asarray(index[i])[None, :, :, None]
+    pos = jnp.asarray(np.where(valid[i], index[i], -1), jnp.int32)[None]
+    return jnp.take_along_axis(k, idx, axis=2), jnp.take_along_axis(v, idx, axis=2), pos
+
+
+def _dropped_terms(cfg: ModelConfig, kernel: str, k, v, kept, key_map) -> tuple:
+    """The kernel terms (B, b) of the prompt tokens a head does not keep (None, None for "none")."""
+    if kernel == NO_KERNEL:
+        return None, None
+    weights = jnp.asarray(repeat_kv(jnp.asarray(~kept, k.dtype)[None, :, :, None], cfg.n_heads)[..., 0])
+    return prompt_kernels.prompt_state(kernel, repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads), *key_map,
+                                       weights=weights)
+
+
 def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2", *,
-                   form: Optional[str] = None, lam: float = 0.5, sinks: int = 0, window: int = 0,
-                   n_features: int = 256,
+                   form: Optional[str] = None, lam: float = 0.5, sinks: Optional[int] = None,
+                   window: Optional[int] = None, n_features: int = 256,
                    seed: int = 0, fit_inputs=None, ridge: float = 1e-6,
-                   maps: Optional[Variables] = None) -> dict:
+                   maps: Optional[Variables] = None, keep=None, score: str = "reconstruction",
+                   allocation: Optional[str] = None, instruction=None, chunk: int = 512) -> dict:
     """Store ``prompt`` as kernel-approximated bias terms in a softmax model (iclca.md, section 7).
 
     The prompt's keys and values are the exact ones of the prompted model (its decode cache); only
@@ -459,9 +534,26 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         every global layer (and ``gate: [heads]`` when the student has an exact part). The maps act on
         rotated q, k (``rope_on="inputs"``, the student's default).
       sinks: the first ``sinks`` prompt tokens stay exact key/value entries of the softmax (attention
-        sinks); only the rest is linearised.
+        sinks); only the rest is linearised. Default 0, or 4 with ``keep``.
       window: the last ``window`` prompt tokens stay exact too (sinks + window <= n). With
-        ``sinks + window = n`` the conversion is exact.
+        ``sinks + window = n`` the conversion is exact. Default 0, or 16 with ``keep``.
+      keep: selection (``linicl.selection``): besides the sinks and the window, each global layer's
+        **KV heads** keep exact prompt keys and values chosen by ``score`` from the whole prompt (never
+        from a later query), at their positions. A float in (0, 1]: the share of the prompt's full KV
+        floats (global layers, ``2 * head_dim`` a token and KV head) that everything stored may hold,
+        kernel terms included; an int: tokens per KV head. ``iclca.stored_floats`` counts the result.
+        Needs a batch-1 prompt; eager only (the kept sets have data-dependent sizes).
+      score: what ranks the keys (``names.SELECTION_SCORES``): ``"reconstruction"`` (KVzip, arXiv
+        2505.23416), ``"expected"`` (Expected Attention, arXiv 2510.00636), ``"h2o"``, ``"snapkv"``
+        (a question-free observation window: the prompt's last 64 tokens), ``"recent"`` (StreamingLLM:
+        sinks + the most recent tokens), ``"random"`` (drawn from ``seed``).
+      allocation: ``"global"`` (top scores over all layers and heads: heads get unequal shares; the
+        default for the attention scores) or ``"uniform"`` (the same number per head; the default and
+        only choice for "recent" and "random").
+      instruction: "reconstruction" only: token ids said before each re-read of the prompt (e.g. the
+        ids of "\n\nRepeat the previous context exactly."); default none.
+      chunk: tokens the selection passes read at once (bounds their memory; the scores do not depend
+        on it).
       fit_inputs: optional ``int32[m, t]`` sample inputs. Then (B, b) are not sums over the prompt but
         the least-squares fit, per layer and head, of the prompt's exact numerator and partition at
         the queries the prompted model forms on these inputs (rows weighted by 1 / the query's total
@@ -488,39 +580,71 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     prompt = jnp.asarray(check_tokens("prompt", prompt, cfg.vocab_size))
     n = prompt.shape[1]
     form = ("hybrid" if kernel == "learned" else "shared") if form is None else form
+    sinks, window = _kept_defaults(sinks, window, keep)
     _check_approx_args(cfg, kernel, form, lam, sinks, window, n, fit_inputs, n_features, ridge)
     learned = _learned_maps(cfg, maps) if kernel == "learned" else None
     check_fits("prompt", 0, n + 1, cfg.max_len, "the model's positions (prompt plus one query token)")
-    kv, local = _prompt_kv_fn(model)(dict(variables), prompt)
     key = jax.random.PRNGKey(seed)
+    Ws = {l: prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features, cfg.head_dim,
+                                           cfg.jnp_dtype) if kernel == "prf" else None for l in cfg.global_layers}
+    kept = None
+    if keep is not None:
+        kept = _select(model, variables, prompt, keep, score, allocation, sinks, window, instruction, chunk, seed,
+                       kernel, fit_inputs, form, learned, Ws)
+    kv, local = _prompt_kv_fn(model)(dict(variables), prompt)
     layers = {}
-    lin = slice(sinks, n - window)  # the linearised prompt tokens; the rest stay exact
+    lin = slice(sinks, n - window)  # without keep: the linearised prompt tokens; the rest stay exact
     exact = np.r_[0:sinks, n - window:n].astype(np.int32)
     fit = _fit_targets(model, variables, prompt, fit_inputs, kernel, lin, n_features, seed) \
         if fit_inputs is not None else None
-    for l, (k, v) in kv.items():
-        W = (prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features,
-                                           cfg.head_dim, k.dtype) if kernel == "prf" else None)
-        # GQA: keys and values are repeated to the query heads first (the student's key map is per
-        # query head); the cache's keys are rotated to their absolute positions 0..n-1.
-        k_lin, v_lin = repeat_kv(k[:, :, lin], cfg.n_heads), repeat_kv(v[:, :, lin], cfg.n_heads)
-        if learned is not None:
-            key_map = learned[l]["phi_k_W"], learned[l]["phi_k_b"]
-            B, b = prompt_kernels.prompt_state(kernel, k_lin, v_lin, *key_map)
-        elif fit is None:
-            B, b = prompt_kernels.prompt_state(kernel, k_lin, v_lin, W)
+    for i, (l, (k, v)) in enumerate(kv.items()):
+        W = Ws[l]
+        key_map = (learned[l]["phi_k_W"], learned[l]["phi_k_b"]) if learned is not None else (W,)
+        if kept is not None:
+            entries = _kept_entries(cfg, k, v, *kept, i)
+            B, b = _dropped_terms(cfg, kernel, k, v, kept[0][i], key_map)
         else:
-            B, b = _solve(*fit[l], ridge, k.dtype, l)
+            entries = (k[:, :, exact], v[:, :, exact], jnp.asarray(exact)) if exact.size else (None,) * 3
+            # GQA: keys and values are repeated to the query heads first (the student's key map is per
+            # query head); the cache's keys are rotated to their absolute positions 0..n-1.
+            k_lin, v_lin = repeat_kv(k[:, :, lin], cfg.n_heads), repeat_kv(v[:, :, lin], cfg.n_heads)
+            if kernel == NO_KERNEL:
+                B = b = None
+            elif fit is None:
+                B, b = prompt_kernels.prompt_state(kernel, k_lin, v_lin, *key_map)
+            else:
+                B, b = _solve(*fit[l], ridge, k.dtype, l)
         query_map = ({} if learned is None else
                      dict(phi_W=learned[l]["phi_q_W"], phi_b=learned[l]["phi_q_b"], g=learned[l]["g"]))
         layers[layer_scope(l)] = {"attn": {"approx": PromptApprox(
-            B=B, b=b, W=W, sink_k=k[:, :, exact] if exact.size else None,
-            sink_v=v[:, :, exact] if exact.size else None,
-            sink_pos=jnp.asarray(exact) if exact.size else None, kernel=kernel,
+            B=B, b=b, W=W, sink_k=entries[0], sink_v=entries[1], sink_pos=entries[2], kernel=kernel,
             lam=float(lam) if form == "mix" else None, **query_map)}}
     exact_windows = {PROMPT_STATE: local} if local else {}
     return {**variables, PROMPT_APPROX: layers, **exact_windows,
             POSITION: {"offset": jnp.asarray(n, jnp.int32)}}
+
+
+def stored_floats(converted: Variables) -> dict:
+    """Floats a ``convert_approx`` prompt stores, per prompt row: ``{"kept": exact keys and values of
+    the global layers (a selection's padding not counted: each KV head's own entries), "kernel": the
+    kernel terms B and b, "local": the local layers' exact windows (``prompt_state``, as stored)}``.
+    Positions (int32) are not counted."""
+    layers = converted.get(PROMPT_APPROX) if isinstance(converted, Mapping) else None
+    if not layers:
+        raise LiniclError("converted holds no approximated prompt (the variables of iclca.convert_approx)")
+    kept = kernel = 0
+    for layer in layers.values():
+        a = layer["attn"]["approx"]
+        if a.sink_k is not None:
+            rows, d = a.sink_k.shape[0], a.sink_k.shape[-1] + a.sink_v.shape[-1]
+            slots = (int(np.sum(np.asarray(a.sink_pos) >= 0)) if a.sink_pos.ndim == 3
+                     else a.sink_pos.shape[0] * a.sink_k.shape[1])
+            kept += slots * d * (rows if a.sink_pos.ndim == 1 else 1) // rows
+        if a.B is not None:
+            kernel += (a.B.size + a.b.size) // a.B.shape[0]
+    local = sum(x.size // x.shape[0] for x in jax.tree_util.tree_leaves(converted.get(PROMPT_STATE, {}))
+                if jnp.issubdtype(x.dtype, jnp.inexact))
+    return {"kept": kept, "kernel": kernel, "local": local}
 
 
 def drop_approx_terms(converted: Variables) -> dict:
@@ -530,6 +654,8 @@ def drop_approx_terms(converted: Variables) -> dict:
     layers = converted.get(PROMPT_APPROX) if isinstance(converted, Mapping) else None
     if not layers:
         raise LiniclError("converted holds no approximated prompt (the variables of iclca.convert_approx)")
+    if any(layer["attn"]["approx"].B is None for layer in layers.values()):
+        raise LiniclError("converted holds no kernel terms (kernel='none'): there is nothing to drop")
     if any(layer["attn"]["approx"].lam is not None for layer in layers.values()):
         raise LiniclError("form='mix' reads the kernel terms under their own normaliser (N / Z): with "
                           "B = b = 0 it is 0 / 0; drop them from a 'shared' or 'hybrid' conversion")
@@ -537,14 +663,6 @@ def drop_approx_terms(converted: Variables) -> dict:
         B=jnp.zeros_like(layer["attn"]["approx"].B), b=jnp.zeros_like(layer["attn"]["approx"].b))}}
         for scope, layer in layers.items()}
     return {**converted, PROMPT_APPROX: dropped}
-
-
-def _scored_queries(cfg: ModelConfig, attn_params, q: jax.Array) -> jax.Array:
-    """The queries a softmax layer scores, from its projections ``q`` (site ``hook_q``, before rope):
-    with Gemma's qk-norm and query scale applied as ``nn.attention`` applies them."""
-    if cfg.qk_norm:
-        q = make_norm(cfg, "q_norm").apply({"params": attn_params["q_norm"]}, q)
-    return q * jnp.asarray(cfg.query_scale, q.dtype) if cfg.query_pre_attn_scalar is not None else q
 
 
 def _fit_fn(model, kernel: str, lin: tuple, n: int):
@@ -561,7 +679,7 @@ def _fit_fn(model, kernel: str, lin: tuple, n: int):
         out = {}
         for l in layers:
             site_q, site_v, site_s = (acts[a] for a in names[l])
-            q = _scored_queries(cfg, variables["params"][layer_scope(l)]["attn"], site_q)
+            q = scored_queries(cfg, variables["params"][layer_scope(l)]["attn"], site_q)
             q = jnp.swapaxes(q, 1, 2)  # [m, H, T, d]
             if cfg.positions == "rope":
                 q = apply_rope(q, jnp.arange(T), cfg.rope_base, cfg.rope_style)

@@ -147,6 +147,13 @@ def _flatten(tree: Mapping, prefix: Tuple[str, ...] = ()) -> dict:
     return out
 
 
+def sown(state: Mapping) -> dict:
+    """``{site name: activation}`` of the values a ``model.apply(..., mutable=[..., "intermediates"])``
+    sowed (its returned state, or that state's ``"intermediates"`` collection): the reading half of
+    ``capture``, for a caller that also needs another mutable collection (e.g. a decode cache)."""
+    return _flatten(state.get(INTERMEDIATES, state) if INTERMEDIATES in state else state)
+
+
 def capture(model, variables, tokens=None, *, names: Optional[Sequence[str]] = None,
             embeds=None, **call_kwargs):
     """The pure version of ``run_with_cache``: ``(output, {name: activation})``. Jit it with ``names``

@@ -95,10 +95,20 @@ LAYER_TYPES = ("global", "local")
 # then has a positive denominator, up to the model's own epsilon).
 NONNEGATIVE_MAPS = ("elu+1", "relu", "taylor2", "hedgehog", NO_LINEAR_PART)
 # iclca.convert_approx. "learned": a linearized student's trained query/key maps (linicl.linearize).
-APPROX_KERNELS = ("taylor2", "prf", "elu+1", "learned")
+# NO_KERNEL ("none"): no kernel terms at all; the prompt tokens that are not kept exact are dropped.
+NO_KERNEL = "none"
+APPROX_KERNELS = ("taylor2", "prf", "elu+1", "learned", NO_KERNEL)
 # How the prompt terms join the input's softmax: one shared normaliser (in units of e^s), a fixed
 # lambda-mix, or the student's hybrid (g_h e^{s - c_t} for exact keys; the "learned" kernel's form).
 APPROX_FORMS = ("shared", "mix", "hybrid")
+# iclca.convert_approx(keep=...) / linicl.selection: how the exact prompt keys to keep are scored, before
+# any query ("reconstruction": KVzip; "expected": Expected Attention; "h2o", "snapkv", "recent":
+# StreamingLLM's sinks + window, "random"), and how the budget is shared by the heads (the same number
+# each, or the top scores over all heads and layers). Positionless scores say nothing about which head
+# needs more: they are allocated uniformly.
+SELECTION_SCORES = ("reconstruction", "expected", "h2o", "snapkv", "recent", "random")
+POSITIONLESS_SCORES = ("recent", "random")
+ALLOCATIONS = ("uniform", "global")
 EDIT_OPS = ("add", "scale", "replace", "fn")  # linicl.nn.hooks.Edit
 REFERENCES = ("query", "own")  # linicl.implicit: which token is run alone
 OPEN_METRICS = ("exact_match", "first_content_token")  # linicl.evaluate: open-ended answers

@@ -58,11 +58,14 @@ def features(kernel: str, x: jax.Array, W: Optional[jax.Array] = None,
 
 
 def prompt_state(kernel: str, k: jax.Array, v: jax.Array, W: Optional[jax.Array] = None,
-                 b: Optional[jax.Array] = None):
-    """``B = sum_i phi(k_i) v_i^T: f[batch, heads, F, d]`` and ``b = sum_i phi(k_i): f[batch, heads, F]``
-    from prompt keys and values ``f[batch, heads, n, d]`` (``W``, ``b``: as for ``features``; the
-    learned kernel's key map)."""
+                 b: Optional[jax.Array] = None, weights: Optional[jax.Array] = None):
+    """``B = sum_i w_i phi(k_i) v_i^T: f[batch, heads, F, d]`` and ``b = sum_i w_i phi(k_i): f[batch,
+    heads, F]`` from prompt keys and values ``f[batch, heads, n, d]`` (``W``, ``b``: as for
+    ``features``; the learned kernel's key map). ``weights: f[batch or 1, heads, n]`` (default 1):
+    0 leaves a token out of one head's sums (it is kept exact there instead)."""
     fk = features(kernel, k, W, b)
+    if weights is not None:
+        fk = fk * weights[..., None].astype(fk.dtype)
     return jnp.einsum("bhnf,bhnd->bhfd", fk, v.astype(fk.dtype)), fk.sum(axis=2)
 
 

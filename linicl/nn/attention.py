@@ -389,14 +389,17 @@ class Attention(nn.Module):
             if not fresh:
                 k, v, k_pos = cached[:3]
         approx = self.get_variable(PROMPT_APPROX, "approx") if self.has_variable(PROMPT_APPROX, "approx") else None
+        slots = None
         if approx is not None and approx.sink_k is not None:  # prompt tokens kept exact
-            k, v, k_pos = self._with_sinks(approx, k, v, k_pos)
+            k, v, k_pos, slots = self._with_sinks(approx, k, v, k_pos)
         k, v = repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads)
         logits = site(self, "hook_attn_scores", attention_logits(q, k), pos_axis=2, head_axis=1,
                       context={"q": q, "k": k, "q_pos": positions, "k_pos": k_pos,
                                **({} if decoding or approx is not None else raw)})
         logits = jnp.where(self._visible(positions, k_pos), logits, -jnp.inf)
-        if approx is None:
+        if slots is not None:  # a selection: each KV head's own kept tokens, padded per head
+            logits = jnp.where(repeat_kv(slots[:, :, None, :], cfg.n_heads), logits, -jnp.inf)
+        if approx is None or approx.B is None:  # no kernel terms: softmax over the exact keys alone
             pattern = site(self, "hook_pattern", jax.nn.softmax(logits, axis=-1), pos_axis=2, head_axis=1)
             o = jnp.einsum("bhts,bhsd->bhtd", pattern, v.astype(pattern.dtype))
         else:
@@ -416,11 +419,20 @@ class Attention(nn.Module):
 
     @staticmethod
     def _with_sinks(approx, k, v, k_pos):
-        """Prepend the prompt tokens an approximate conversion kept exact (its sinks)."""
+        """Prepend the prompt tokens an approximate conversion kept exact (its sinks, window or
+        selection). Returns ``(k, v, k_pos, slots)``; ``slots: bool[1, kv_heads, keys]`` marks the
+        keys each KV head holds when a selection gives heads their own positions
+        (``sink_pos: int32[1, kv_heads, s]``, -1 for padding), else None. A selection's keys all
+        precede the query, so one position per slot (the heads' largest) serves the causal mask."""
         B = k.shape[0]
+        pos, slots = approx.sink_pos, None
+        if pos.ndim == 3:
+            n_new = k.shape[2]
+            slots = jnp.concatenate([pos >= 0, jnp.ones(pos.shape[:2] + (n_new,), bool)], axis=2)
+            pos = jnp.max(pos, axis=(0, 1))
         k = jnp.concatenate([_batched(approx.sink_k, B, k.dtype), k], 2)
         v = jnp.concatenate([_batched(approx.sink_v, B, v.dtype), v], 2)
-        return k, v, jnp.concatenate([approx.sink_pos.astype(k_pos.dtype), k_pos])
+        return k, v, jnp.concatenate([pos.astype(k_pos.dtype), k_pos]), slots
 
     def _with_prompt(self, approx, q, logits, v):
         """Softmax attention over the visible keys plus a kernel-approximated prompt

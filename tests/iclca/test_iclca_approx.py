@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import linicl
-from linicl import iclca
+from linicl import iclca, selection
 from linicl.nn.transformer import position_offset
 from linicl.errors import LiniclError, NotExactError, SequenceTooLongError
 from helpers import BASELINE_MIN, EXACT_RTOL, softmax_configs, apply, examples, init, linear_configs, rel_err, tokens
@@ -240,7 +240,7 @@ def test_the_fit_reads_the_queries_gemma_scores(tiny_gemma):
     names = [block_site(l, h) for h in ("hook_q", "hook_k", "hook_attn_scores")]
     _, acts = capture(model, variables, x, names=names)
     attn = variables["params"][f"layers_{l}"]["attn"]
-    q = iclca._scored_queries(cfg, attn, acts[names[0]])
+    q = selection.scored_queries(cfg, attn, acts[names[0]])
     k = make_norm(cfg, "k_norm").apply({"params": attn["k_norm"]}, acts[names[1]])
     pos = jnp.arange(x.shape[1])
     q, k = (apply_rope(jnp.swapaxes(a, 1, 2), pos, cfg.rope_base, cfg.rope_style) for a in (q, k))
