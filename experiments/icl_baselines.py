@@ -62,7 +62,7 @@ def answer_room(tok, prompts, prefix: str, open_metric: str, classification: boo
     prefix for first_content_token, and max_new_tokens - 1 fed-back tokens for greedy decoding."""
     if classification:
         return 0
-    golds = [tok.encode(prefix + p.label) for p in prompts]
+    golds = [tok.encode(prefix + p.label, add_bos=False) for p in prompts]  # answers continue the prompt
     if open_metric == "first_content_token":
         return max(first_content_index(tok, g) for g in golds)
     return max_new_tokens(tok, prompts, prefix) - 1
@@ -71,7 +71,7 @@ def answer_room(tok, prompts, prefix: str, open_metric: str, classification: boo
 def max_new_tokens(tok, prompts, prefix: str) -> int:
     """The library's default budget, made explicit so that the fit check below is exact: the longest
     gold answer and its line break, + 1."""
-    return max(len(tok.encode(prefix + p.label)) for p in prompts) + 2
+    return max(len(tok.encode(prefix + p.label, add_bos=False)) for p in prompts) + 2
 
 
 def check_fits(model, prompts, room: int) -> None:

@@ -59,7 +59,7 @@ def timed(fn) -> tuple:
 
 def bench_length(model, variables, tok, length: int, args) -> dict:
     rng = np.random.default_rng([args.seed, length])
-    newline = tok.encode("\n")
+    newline = tok.encode("\n", add_bos=False)
     banned = set(int(i) for i in newline) | {getattr(tok, "eos_id", None) or -1}
     rows = []
     for _ in range(args.n):

@@ -52,7 +52,9 @@ PAD, BOS, INSTRUCTION, SEPARATOR, DEMO_INPUT, DEMO_LABEL, QUERY = Role
 
 class TextEncoder(Protocol):
     """What the prompt builder needs. ``encode`` returns ids without special tokens. An optional
-    attribute ``bos_id: int | None`` makes ``build_prompt`` prepend that id."""
+    attribute ``bos_id: int | None`` makes ``build_prompt`` prepend that id. One whose ``adds_bos`` is
+    True (``linicl.lm.Tokenizer`` of a checkpoint that starts with BOS, whose ``encode`` then adds it
+    by default, as HF's does) is called as ``encode(text, add_bos=False)``."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -287,7 +289,9 @@ class Prompt:
 
 
 def _encode(tokenizer: TextEncoder, text: str) -> list[int]:
-    ids = [int(i) for i in tokenizer.encode(text)]
+    """Ids of ``text`` without special tokens: a segment or an answer, never a BOS of its own."""
+    bare = tokenizer.encode(text, add_bos=False) if getattr(tokenizer, "adds_bos", False) else tokenizer.encode(text)
+    ids = [int(i) for i in bare]
     if any(i < 0 or i > np.iinfo(np.int32).max for i in ids):
         raise LiniclError(f"tokenizer.encode({text[:40]!r}) returned ids outside int32 range >= 0")
     return ids

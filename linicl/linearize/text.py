@@ -24,6 +24,7 @@ import numpy as np
 
 from linicl.data import build_prompt, load_task, sample_demos, template_for
 from linicl.data import long_context as lc
+from linicl.data.prompts import _encode
 from linicl.errors import LiniclError
 from linicl.generation import generate
 
@@ -44,8 +45,8 @@ def _rendered(task, tokenizer, rng: np.random.Generator, split: str, max_shots: 
     if split == "test":  # held-out text: its demonstrations come from the test split too
         demos = [pool[int(i)] for i in rng.integers(0, len(pool), size=k)]
     prompt = build_prompt(template, demos, query, tokenizer, add_bos=False)
-    answer = tokenizer.encode(template.label_prefix + query.output + "\n\n")
-    return list(prompt.tokens) + [int(i) for i in answer]
+    answer = _encode(tokenizer, template.label_prefix + query.output + "\n\n")  # continues: no BOS
+    return list(prompt.tokens) + answer
 
 
 def training_sequences(tokenizer, tasks: Sequence[str], *, n: int, length: int, seed: int = 0,
@@ -103,7 +104,7 @@ def retrieval_sequences(tokenizer, *, n: int, length: int, seed: int = 0, data_d
     rows = []
     for i in range(n):
         key = str(rng.integers(10_000, 100_000))
-        answer = [int(t) for t in tokenizer.encode(f" {key}\n")]
+        answer = _encode(tokenizer, f" {key}\n")  # continues the prompt: no BOS
         start = int(rng.integers(len(filler)))
         if i % 2 == 0:
             prompt = lc.passkey_prompt(tokenizer, filler, length - len(answer), key, float(rng.uniform()),

@@ -209,6 +209,22 @@ def _gguf_vocab(f: GGUFFile) -> int:
     return embed.shape[0]
 
 
+def _gguf_plain_rope(meta: dict, arch: str, src: str) -> None:
+    """Refuse rope scaling: ``<arch>.rope.scaling.type`` other than "none", or a scaling factor other
+    than 1 (``rope.scaling.factor``, or the older ``rope.scale_linear``; 0 means unset in llama.cpp).
+    A factor with no type is not harmless: llama.cpp then scales linearly."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        raise DataError(f"{src}: {arch}.rope.scaling.type={kind!r} is not supported; only the plain rope")
+    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+        factor = meta.get(key)
+        plain = isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor in (0, 1)
+        if factor is not None and not plain:
+            why = "" if kind else f" with no {arch}.rope.scaling.type (llama.cpp then scales linearly)"
+            raise DataError(f"{src}: {key}={factor!r}{why} is not supported; only the plain rope (a "
+                            f"factor of 1)")
+
+
 def _gguf_llama_config(f: GGUFFile, dtype: str) -> ModelConfig:
     src, meta = str(f.path), f.metadata
     d = _pos_int(meta, "llama.embedding_length", src)
@@ -219,6 +235,7 @@ def _gguf_llama_config(f: GGUFFile, dtype: str) -> ModelConfig:
                         "is not supported")
     Hkv = _pos_int(meta, "llama.attention.head_count_kv", src, H)
     _divides(src, ("llama.attention.head_count", H), ("llama.attention.head_count_kv", Hkv))
+    _gguf_plain_rope(meta, "llama", src)
     return _model_config(
         src, vocab_size=_gguf_vocab(f), d_model=d, n_layers=_pos_int(meta, "llama.block_count", src),
         n_heads=H, n_kv_heads=Hkv, d_ff=_pos_int(meta, "llama.feed_forward_length", src),
@@ -253,9 +270,10 @@ def _gguf_gemma3_config(f: GGUFFile, dtype: str) -> ModelConfig:
     scores are scaled by 1/sqrt(key_length) (1/sqrt(d_model / heads) for the 62-layer 27B), which is
     Gemma 3's own value for every released size."""
     src, meta = str(f.path), f.metadata
-    for key in ("gemma3.rope.scaling.type", "gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
+    _gguf_plain_rope(meta, "gemma3", src)
+    for key in ("gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
         if meta.get(key) not in (None, "none"):
-            raise DataError(f"{src}: {key}={meta[key]!r} is not supported (no rope scaling, no soft-capping)")
+            raise DataError(f"{src}: {key}={meta[key]!r} is not supported (no soft-capping)")
     d = _pos_int(meta, "gemma3.embedding_length", src)
     L = _pos_int(meta, "gemma3.block_count", src)
     H = _pos_int(meta, "gemma3.attention.head_count", src)

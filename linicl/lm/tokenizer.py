@@ -13,14 +13,17 @@ Gemma's SentencePiece as a ``tokenizers`` BPE. The file stores pieces, scores an
 SentencePiece's BPE merges the adjacent pair whose merged piece comes first in its vocabulary; the file
 lists pieces in that order (Gemma's scores of normal pieces are minus their position), so the merges
 are every split ``(left, right)`` of every piece into two pieces, ranked by the merged piece's
-position, then by the longer left part (HF ``transformers`` ranks them the same way). Text is
+position (then by the longer left part, as HF ``transformers`` ranks them; an order that never
+decides anything, see ``_sentencepiece_merges``). Text is
 normalised by writing each space as ``▁`` (no prefix is added); characters without a piece become
 their UTF-8 bytes (``<0x..>``, byte fallback). The runs of spaces the file stores as spaces are spelt
 with ``▁`` so that they join the merges; the other user-defined pieces (runs of newlines and tabs,
 ``[multimodal]``, HTML tags) are matched whole, and control pieces (``<bos>``, ``<start_of_turn>``) are
 special tokens, as in HF.
 
-``encode`` never adds BOS/EOS unless asked (``add_bos=True`` / ``add_eos=True``); special tokens written
+``encode`` follows the checkpoint's BOS convention unless told (``add_bos=True``/``False``), as HF's
+``tokenizer.encode`` does: Gemma 3 says BOS, SmolLM2 and GPT-2 say none; EOS only with ``add_eos=True``.
+A segment or an answer to append to a prompt takes ``add_bos=False``. Special tokens written
 literally in the text (``"<|im_start|>"``) are matched whole, as in HF. ``decode`` keeps special tokens
 unless ``skip_special_tokens=True``, so ``decode(encode(s)) == s`` for byte-level BPE.
 """
@@ -33,12 +36,15 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from linicl._validate import _integer_dtype
 from linicl.errors import LiniclError
 
 __all__ = ["GGUF_PRE_TOKENIZERS", "Tokenizer", "load_tokenizer_dir"]
 
-# GGUF token types (llama.cpp's llama_token_type).
+# GGUF token types (llama.cpp's llama_token_type; 0 is its UNDEFINED).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_TOKEN_TYPES = {"UNDEFINED": 0, "NORMAL": _NORMAL, "UNKNOWN": _UNKNOWN, "CONTROL": _CONTROL,
+                "USER_DEFINED": _USER_DEFINED, "UNUSED": _UNUSED, "BYTE": _BYTE}
 
 # tokenizer.ggml.pre values this module can reproduce, and how:
 #   "gpt2" (and a missing key): GPT-2's ByteLevel pre-tokenizer (its regex, no prefix space);
@@ -68,8 +74,8 @@ class Tokenizer:
 
     ``adds_bos`` is the checkpoint's own BOS convention (GGUF ``tokenizer.ggml.add_bos_token``, HF
     ``tokenizer_config.json`` ``add_bos_token``; False when it does not say): the one BOS policy of
-    linicl. Prompts built with ``add_bos=None`` (``linicl.data.build_prompt``, ``evaluate``, every
-    experiment's ``--bos auto``) follow it; ``encode`` itself never adds anything unless asked.
+    linicl. ``encode(text)`` and prompts built with ``add_bos=None`` (``linicl.data.build_prompt``,
+    ``evaluate``, every experiment's ``--bos auto``) follow it.
     """
 
     def __init__(self, backend: Any, *, bos_id: int | None = None, eos_id: int | None = None,
@@ -161,9 +167,11 @@ class Tokenizer:
         tokens = meta.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, list) or not tokens:
             raise LiniclError(f"{where}: tokenizer.ggml.tokens is missing or empty")
-        types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-        if len(types) != len(tokens):
-            raise LiniclError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+        odd = next((k for k, t in enumerate(tokens) if not isinstance(t, str)), None)
+        if odd is not None:
+            raise LiniclError(f"{where}: tokenizer.ggml.tokens must be a list of strings, but entry {odd} is "
+                              f"{tokens[odd]!r} ({type(tokens[odd]).__name__})")
+        types = _token_types(meta.get("tokenizer.ggml.token_type"), len(tokens), where)
         if len(set(tokens)) != len(tokens):
             raise LiniclError(f"{where}: tokenizer.ggml.tokens has {len(tokens) - len(set(tokens))} duplicate "
                               f"entries; ids would not round-trip")
@@ -180,22 +188,37 @@ class Tokenizer:
             raise LiniclError(f"{where}: unsupported GGUF tokenizer model {model!r}; supported: byte-level "
                               f"BPE ('gpt2') and Gemma's SentencePiece ('llama')")
 
-        def tid(key):
-            v = meta.get(key)
-            return int(v) if isinstance(v, int) and 0 <= v < len(tokens) else None
-
-        return cls(backend, bos_id=tid("tokenizer.ggml.bos_token_id"),
-                   eos_id=tid("tokenizer.ggml.eos_token_id"), source=f"{where} (GGUF, {kind})",
+        return cls(backend, bos_id=_special_id(meta, "bos", len(tokens), where),
+                   eos_id=_special_id(meta, "eos", len(tokens), where), source=f"{where} (GGUF, {kind})",
                    adds_bos=meta.get("tokenizer.ggml.add_bos_token") is True)
 
     # -- use ----------------------------------------------------------------------------------------
 
-    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Token ids of ``text``. Nothing is added unless ``add_bos``/``add_eos``."""
+    def encode(self, text: str, *, add_bos: bool | None = None, add_eos: bool = False) -> list[int]:
+        """Token ids of ``text``: ``int[n]`` as a list.
+
+        ``add_bos``: prepend BOS. None (the default) follows the checkpoint, like HF's
+        ``tokenizer.encode``: BOS when it says so (``adds_bos``: GGUF ``tokenizer.ggml.add_bos_token``,
+        HF ``add_bos_token``; Gemma 3), none otherwise (SmolLM2, GPT-2 and any tokenizer that does not
+        say). Pass False for text that continues a prompt (a segment, an answer): a BOS in the middle of
+        a sequence changes what the model reads. ``add_eos``: append EOS. Refused: a non-str text,
+        one with a lone surrogate (no UTF-8 form), a flag that is not a bool (None too for
+        ``add_eos``), and True for a token this tokenizer does not have."""
         if not isinstance(text, str):
             raise LiniclError(f"encode expects a str, got {type(text).__name__}")
+        if not (add_bos is None or isinstance(add_bos, bool)):
+            raise LiniclError(f"encode: add_bos must be True, False or None (the checkpoint's convention), "
+                              f"got {add_bos!r}")
+        if not isinstance(add_eos, bool):
+            raise LiniclError(f"encode: add_eos must be True or False, got {add_eos!r}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # the Rust side would raise a bare TypeError
+            raise LiniclError(f"encode: text holds a lone surrogate {text[e.start]!r} at index {e.start}, which "
+                              f"has no UTF-8 form (text decoded with errors='surrogateescape'? decode it "
+                              f"with errors='replace')") from None
         ids = list(self.backend.encode(text, add_special_tokens=False).ids)
-        if add_bos:
+        if self.adds_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise LiniclError(f"add_bos=True but this tokenizer ({self.source}) has no BOS token")
             ids.insert(0, self.bos_id)
@@ -209,13 +232,11 @@ class Tokenizer:
         return [self.encode(t, **kw) for t in texts]
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of ``ids`` (a list, or a 1-D NumPy/JAX array). Special tokens are kept by default."""
-        ids = [int(i) for i in ids]
-        n = self.vocab_size
-        bad = [i for i in ids if not 0 <= i < n]
-        if bad:
-            raise LiniclError(f"decode: ids {bad[:5]} are outside the vocabulary [0, {n})")
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Text of ``ids``: ``int[n]``, a list (or other iterable) of ints or a 1-D integer NumPy/JAX
+        array. Special tokens are kept by default. Refused, naming what came: a string, None, an array
+        of another rank (decode rows one at a time), floats and bools (``int`` would truncate 2.7 to 2
+        and read True as 1), ids outside [0, vocab_size)."""
+        return self.backend.decode(_token_ids(ids, self.vocab_size), skip_special_tokens=skip_special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -278,6 +299,57 @@ def _read_json(path: Path) -> Any:
         raise LiniclError(f"cannot read {path}: {e}") from None
 
 
+def _token_ids(ids: Any, n: int) -> list[int]:
+    """``decode``'s ids as Python ints in [0, n) (see ``Tokenizer.decode`` for what is refused)."""
+    if ids is None or isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+        raise LiniclError(f"decode: ids must be a list or 1-d array of token ids (ints), got "
+                          f"{type(ids).__name__} {ids!r:.60}")
+    if getattr(ids, "ndim", 1) != 1:
+        raise LiniclError(f"decode: ids must be 1-d (one sequence; decode rows one at a time), got shape "
+                          f"{tuple(ids.shape)}")
+    items = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    odd = next((k for k, i in enumerate(items) if not _integer_dtype(i)), None)
+    if odd is not None:
+        raise LiniclError(f"decode: ids must be ints (token ids), got {items[odd]!r} "
+                          f"({type(items[odd]).__name__}) at index {odd}")
+    bad = [i for i in items if not 0 <= i < n]
+    if bad:
+        raise LiniclError(f"decode: ids {bad[:5]} are outside the vocabulary [0, {n})")
+    return [int(i) for i in items]
+
+
+def _token_types(types: Any, n: int, where: str) -> list[int]:
+    """``tokenizer.ggml.token_type``: one llama.cpp token type (0-6) per token; all NORMAL when absent.
+    An unknown value is refused: read as NORMAL it would silently split a control token into pieces."""
+    if types is None:
+        return [_NORMAL] * n
+    if not isinstance(types, list):
+        raise LiniclError(f"{where}: tokenizer.ggml.token_type must be a list of ints, got "
+                          f"{type(types).__name__}")
+    if len(types) != n:
+        raise LiniclError(f"{where}: {len(types)} token types for {n} tokens")
+    known = set(_TOKEN_TYPES.values())
+    if all(type(t) is int for t in types) and set(types) <= known:  # the usual case, 10x faster
+        return types
+    bad = next((k for k, t in enumerate(types) if not (_integer_dtype(t) and int(t) in known)), None)
+    if bad is not None:
+        raise LiniclError(f"{where}: tokenizer.ggml.token_type[{bad}] = {types[bad]!r} is not a token type "
+                          f"(llama.cpp's: {', '.join(f'{v} {k}' for k, v in _TOKEN_TYPES.items())})")
+    return types
+
+
+def _special_id(meta: Mapping, kind: str, n: int, where: str) -> int | None:
+    """``tokenizer.ggml.<kind>_token_id`` (None when absent). One outside the vocabulary is refused:
+    ignoring it would drop BOS (or EOS) without a word."""
+    key = f"tokenizer.ggml.{kind}_token_id"
+    v = meta.get(key)
+    if v is None:
+        return None
+    if not _integer_dtype(v) or not 0 <= v < n:
+        raise LiniclError(f"{where}: {key} = {v!r} is not a token id of this vocabulary (an int in [0, {n}))")
+    return int(v)
+
+
 def _split_merge(line: Any, where: str) -> tuple[str, str]:
     # As llama.cpp: the separator is the first space after position 0 (byte-level tokens never hold a
     # literal space, which is mapped to 'Ġ'). HF tokenizer.json may also give merges as pairs.
@@ -332,7 +404,18 @@ _SPACE = "\u2581"  # SentencePiece's visible space
 
 def _sentencepiece_merges(pieces: list[str]) -> list[tuple[str, str]]:
     """Every split of every piece into two pieces, in the order SentencePiece's BPE applies them: by
-    the merged piece's position in the vocabulary, then the longer left part first."""
+    the merged piece's position in the vocabulary, then (as HF ``transformers`` lists them) the longer
+    left part first.
+
+    That last order never matters, in any vocabulary: two pairs that can merge into the same piece at
+    the same moment are always split the same way, so they share a rank and the leftmost goes first,
+    which is SentencePiece's rule for equal scores. Proof: while two symbols x, y cover a span of a word
+    exactly, no merge has crossed the span's ends (symbols only grow), so the merges inside it so far
+    were those of BPE run on the span's text alone, in the same order (each was the best pair inside
+    the span when made, and positions inside keep their order). That run is deterministic and goes
+    through exactly one state of two symbols. So every span holding the text of a piece as two
+    symbols holds the same two. (tests/lm/test_tokenizer.py checks it on a vocabulary of every string
+    of up to 4 letters over 3 in a shuffled order; no such tie arose in 60,000 strings of Gemma 3's.)"""
     known = set(pieces)
     return [(p[:cut], p[cut:]) for p in pieces for cut in range(len(p) - 1, 0, -1)
             if p[:cut] in known and p[cut:] in known]

@@ -228,7 +228,7 @@ def test_shipped_gemma3_maps_load_and_convert_prompts_exactly():
     assert "phi_q_W" in variables["params"]["layers_5"]["attn"]
     assert "phi_q_W" not in variables["params"]["layers_0"]["attn"]
     prompt = jnp.asarray([tok.encode("hot: cold\nbig: small\nup: down\nfast:", add_bos=True)])
-    query = jnp.asarray([tok.encode(" slow\nopen:")])
+    query = jnp.asarray([tok.encode(" slow\nopen:", add_bos=False)])
     converted = linicl.iclca.convert(model, variables, prompt)
     ref = model.apply(variables, jnp.concatenate([prompt, query], 1))[:, prompt.shape[1]:]
     assert rel_err(model.apply(converted, query), ref) <= 1e-4

@@ -79,6 +79,8 @@ def test_tiny_gguf_norm_weights_are_the_stored_values_minus_one():
     ("gemma3.final_logit_softcapping", 30.0, "soft-capping"),
     ("gemma3.attention.value_length", 16, "value_length differs"),
     ("gemma3.attention.sliding_window", 0, "sliding_window"),
+    ("gemma3.rope.scaling.factor", 8.0, r"scaling\.factor=8\.0 with no gemma3\.rope\.scaling\.type"),
+    ("gemma3.rope.scaling.type", "linear", r"scaling\.type='linear' is not supported"),
 ])
 def test_tiny_gguf_bad_metadata_is_named(key, value, match):
     f = read_gguf(TINY_GGUF)
@@ -163,10 +165,11 @@ def test_gemma3_window_matters_on_the_long_reference(gemma3, real_ref, real_logi
 
 @gemma3_only
 def test_gemma3_greedy_continuations_equal_hf(gemma3, real_ref):
-    """The issue's few-shot prompts: HF's greedy continuations (3 tokens) by the decode cache."""
+    """The issue's few-shot prompts: HF's greedy continuations (3 tokens) by the decode cache, from
+    the same call as HF's (``encode(prompt)``, BOS first by the checkpoint's convention)."""
     model, variables, tok = gemma3
     for prompt, want in real_ref[1]["greedy"].items():
-        ids = tok.encode(prompt, add_bos=True)
+        ids = tok.encode(prompt)
         new = linicl.generate(model, variables, jnp.asarray([ids], jnp.int32), 3)
         assert tok.decode([int(t) for t in new[0]]) == want, prompt
 
@@ -179,6 +182,20 @@ def test_gemma3_tokenizer_equals_hf_transformers():
     tok = Tokenizer.from_gguf(linicl.lm.gemma3_gguf_path())
     assert len(ref["cases"]) >= 1000 and tok.adds_bos == ref["add_bos"]
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (ref["bos_id"], ref["eos_id"], ref["vocab_size"])
-    wrong_ids = [c["text"] for c in ref["cases"] if tok.encode(c["text"]) != c["ids"]]
+    wrong_ids = [c["text"] for c in ref["cases"] if tok.encode(c["text"], add_bos=False) != c["ids"]]
     wrong_text = [c["text"] for c in ref["cases"] if tok.decode(c["ids"]) != c["decoded"]]
     assert wrong_ids == [] and wrong_text == []
+
+
+@gemma3_only
+def test_gemma3_encode_starts_with_bos_as_hf_s_does(gemma3, real_ref):
+    """The trap of issue 52 (item 18): ``encode`` without BOS made Gemma 3 answer " Berlin:\nSpain"
+    where HF's ``tokenizer.encode``, which adds BOS for this checkpoint, answers " Madrid". Now the
+    default is the checkpoint's: HF's ids of the reference input, and the answer with BOS."""
+    model, variables, tok = gemma3
+    ref, meta = real_ref
+    assert tok.encode("\n\n".join(meta["greedy"])) == ref["short_ids"].tolist()  # HF: encode(text)
+    ids = tok.encode("France: Paris\nJapan: Tokyo\nItaly: Rome\nGermany: Berlin\nSpain:")
+    assert ids[0] == tok.bos_id == 2 and 2 not in ids[1:]
+    logits = _logits(model, variables, [ids])[0, -1]
+    assert tok.decode([int(logits.argmax())]) == " Madrid"

