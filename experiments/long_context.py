@@ -24,6 +24,13 @@ Methods (``--methods``), each with the floats its state holds for one prompt row
 * ``window<W>+attcache<C>`` (``--window-caches C``): a window plus a per-head cache of C tokens that
   left it, chosen by the attention they got while in it, W such that the whole state holds no more
   floats than the student's (no linear part, no training).
+* ``<score>@<keep>`` (``--select-scores``, ``--select-keeps``): the softmax teacher's prompt converted
+  with a selection of its exact keys and values (``iclca.convert_approx(keep=...)``, ``kernel="none"``):
+  per global layer and KV head, the sinks, the last tokens and what a query-agnostic score chose from
+  the whole context (``linicl.selection``; ``"recent"`` at the same budget is the sliding window of the
+  same floats); the question is read alone after it. ``--select-keeps`` are shares of the context's
+  full KV floats. Also reported per method: the share of the passkey line kept, and the selection's
+  time against one prefill of the context.
 * ``window<W>+oracle`` (``--oracle``, passkey only): a diagnostic, not a method: the softmax teacher
   restricted to its sinks, its last W (the student's window) tokens and the key line, as if a cache
   had kept exactly that line in every head. What selection could at best give at that state size.
@@ -54,13 +61,17 @@ from linicl import linearize, reporting
 from linicl.compiled import enable_persistent_cache
 from linicl.data import long_context as lc
 from linicl.linearize.baselines import EQUAL, RULE_NAMES, compared_methods, student_budget
+from linicl.approx import selected
 from linicl.linearize.long_prompts import oracle_window, score_method, versus_equal_window
+from linicl.names import SELECTION_SCORES
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf", "llama-tiny.gguf")
 # Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
-                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len")
+                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len",
+                    "select_scores", "select_keeps")
+REPEAT = "\n\nRepeat the previous context exactly."  # KVzip's re-read instruction (kvpress's wording)
 
 
 def parse_args(argv=None):
@@ -88,6 +99,13 @@ def parse_args(argv=None):
                    help="passkey: also the diagnostic window<W>+oracle (sinks, window and the key line exact)")
     p.add_argument("--windows", nargs="+", default=["student", EQUAL],
                    help="window-only baselines: 'student' (its window), 'equal' (its state size) or a number")
+    p.add_argument("--select-scores", nargs="+", default=[], choices=list(SELECTION_SCORES),
+                   help="selection methods: scores of the teacher's prompt keys (default none)")
+    p.add_argument("--select-keeps", nargs="+", type=float, default=[0.05, 0.1, 0.25],
+                   help="selection budgets: shares of the context's full KV floats")
+    p.add_argument("--select-sinks", type=reporting.nonnegative_int, default=4, help="sinks every selection keeps")
+    p.add_argument("--select-window", type=reporting.nonnegative_int, default=16,
+                   help="last context tokens every selection keeps")
     p.add_argument("--methods", nargs="+", default=None,
                    help="evaluate only these methods (names as in the tables; default all)")
     p.add_argument("--loss-seqs", type=reporting.positive_int, default=4)
@@ -107,6 +125,8 @@ def parse_args(argv=None):
         args.lengths, args.n, args.pairs, args.shots, args.loss_seqs = [288], 2, 2, [2], 1
         args.shot_tasks, args.caches, args.cache_rules, args.window_caches = ["antonym"], [4], list(RULE_NAMES), [2]
         args.oracle = True
+        args.select_scores = args.select_scores or ["reconstruction", "expected", "recent"]
+        args.select_keeps, args.select_sinks, args.select_window = [0.5], 2, 4
         args.convert_check = 1 if args.convert_check is None else args.convert_check
     return args
 
@@ -145,9 +165,28 @@ def cell_prompts(probe: str, length, tok, filler, args) -> tuple:
     return lc.probe_prompts(probe, tok, filler, length, args.n, seed=seed, n_pairs=args.pairs), f"{probe} {length}"
 
 
+def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
+    """The selection methods on one keyed cell: one record per prompt (resumable), then a row per
+    ``<score>@<keep>``."""
+    setting = f"select {','.join(args.select_scores)} keep {','.join(f'{k:g}' for k in args.select_keeps)} " \
+              f"sinks {args.select_sinks} window {args.select_window}"
+    instruction = tok.encode(REPEAT, add_bos=False)
+    records = []
+    for i, p in enumerate(tqdm(prompts, disable=not args.progress, desc=f"{key} selection", leave=False)):
+        name = f"{key} | {setting} | prompt {i}"
+        done = prog.get(name)
+        if done is None:
+            done = prog.put(name, selected.select_prompt(
+                teacher, tv, p, tok, scores=args.select_scores, keeps=args.select_keeps, sinks=args.select_sinks,
+                window=args.select_window, instruction=instruction, seed=args.seed,
+                span=lc.key_line(p) if key.startswith("passkey") else None))
+        records.append(done)
+    return selected.selected_rows(records, prompts, keyed=True)
+
+
 # ------------------------------------------------------------------------------------ tables
 def tables(report: dict) -> str:
-    methods = report["methods"]
+    methods = [m for m in report["methods"] if "@" not in m]  # the selections have a table of their own
     lines = [f"Long prompts ({os.path.basename(str(report['model']))}); accuracy % [95 % Wilson], n per cell "
              "(passkey and codes: the greedy answer's first number is the key; word tasks: exact match).", ""]
     cells = report["cells"]
@@ -160,6 +199,9 @@ def tables(report: dict) -> str:
             f"{100 * c['methods'][m]['wilson'][2]:.0f}] n={c['methods'][m]['n']}" if m in c["methods"] else "-"
             for m in methods])
     lines.append(reporting.markdown_table(header, rows))
+    if any("selection" in c for c in cells.values()):
+        lines += ["", selected.selection_table(cells, report["settings"]["select_scores"],
+                                              report["settings"]["select_keeps"])]
     sizes = report.get("state_floats", {})
     if sizes:
         lines += ["", "State floats per prompt row at the longest prompt evaluated (students: as stored; windows: the KV of "
@@ -186,11 +228,16 @@ def tables(report: dict) -> str:
 
 def figure(plt, report: dict):
     probes = sorted({c["probe"] for c in report["cells"].values()})
-    fig, axes = plt.subplots(1, max(1, len(probes)), squeeze=False, figsize=(4 * max(1, len(probes)), 3.6))
-    axes = axes[0]
+    chosen = [c for c in report["cells"].values() if "selection" in c]
+    cols = max(1, len(probes), len(chosen))
+    fig, grid = plt.subplots(2 if chosen else 1, cols, squeeze=False, figsize=(4 * cols, 3.6 * (2 if chosen else 1)))
+    axes = grid[0]
+    if chosen:
+        settings = report["settings"]
+        selected.plot_budgets(grid[1], report["cells"], settings["select_scores"], settings["select_keeps"])
     for ax, probe in zip(axes, probes):
         cs = sorted((c for c in report["cells"].values() if c["probe"] == probe), key=lambda c: c["tokens"])
-        for m in report["methods"]:
+        for m in (m for m in report["methods"] if "@" not in m):
             pts = [(c["tokens"], c["methods"][m]) for c in cs if m in c["methods"]]
             if pts:
                 x = [t for t, _ in pts]
@@ -232,6 +279,9 @@ def main(argv=None) -> int:
                     batch_size=args.batch_size, convert_check=args.convert_check))
             cells[key]["methods"][name] = done
             bar.update()
+        if args.select_scores and probe in ("passkey", "kv"):
+            cells[key]["selection"] = select_cell(key, prompts, teacher, tv, tok, prog, args)
+            cells[key]["methods"].update(cells[key]["selection"])
         if args.oracle and probe == "passkey":
             name = f"window{student.cfg.window}+oracle"
             done = prog.get(f"{key} | {name}")

@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 SUBMODULES = ("activations", "approx", "batching", "benchmarking", "bias_training", "capacity", "checkpoint",
               "cli", "compiled", "config", "data", "diagnostics", "errors", "evaluate", "fidelity",
               "generation", "iclca", "implicit", "interventions", "kernels", "linearize", "lm", "memory",
-              "metrics", "names", "nn", "parallel", "precision", "recovery", "reporting", "routing", "selection",
+              "metrics", "names", "nn", "parallel", "precision", "prompt_file", "recovery", "reporting", "routing", "selection",
               "stats", "timing", "training", "verify")
 
 

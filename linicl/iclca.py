@@ -451,7 +451,7 @@ def _kernel_floats(cfg: ModelConfig, kernel: str, learned, Ws) -> int:
 
 
 def _select(model, variables, prompt, keep, score, allocation, sinks, window, instruction, chunk, seed,
-            kernel, fit_inputs, form, learned, Ws):
+            kernel, fit_inputs, form, learned, Ws, scores):
     """``(kept bool[layers, kv_heads, n], index int32[layers, kv_heads, m], valid bool[...])``: the
     selection of ``convert_approx(keep=...)``."""
     cfg = config_of(model)
@@ -473,13 +473,18 @@ def _select(model, variables, prompt, keep, score, allocation, sinks, window, in
         raise LiniclError(f"chunk must be a positive int (tokens the selection reads at once), got {chunk!r}")
     n = prompt.shape[1]
     tokens = selection.token_budget(cfg, n, keep, extra_floats=_kernel_floats(cfg, kernel, learned, Ws))
-    scores = selection.score_prompt(model, variables, np.asarray(prompt), score, chunk=chunk, sinks=sinks,
-                                    instruction=instruction, seed=seed)
+    want = (len(cfg.global_layers), cfg.kv_heads, n)
+    if scores is None:
+        scores = selection.score_prompt(model, variables, np.asarray(prompt), score, chunk=chunk, sinks=sinks,
+                                        instruction=instruction, seed=seed)
+    elif np.shape(scores) != want or not np.all(np.isfinite(scores)):
+        raise LiniclError(f"scores must be finite f[{want[0]}, {want[1]}, {want[2]}] (global layers, KV heads, "
+                          f"prompt tokens: selection.score_prompt of this prompt), got shape {np.shape(scores)}")
     kept = selection.allocate(scores, tokens, sinks=sinks, window=window, allocation=allocation)
     return (kept,) + selection.kept_entries(kept)
 
 
-def _kept_entries(cfg: ModelConfig, k, v, kept, index, valid, i: int) -> tuple:
+def _kept_entries(k, v, index, valid, i: int) -> tuple:
     """``(sink_k, sink_v, sink_pos)`` of global layer ``i``'s selection: each KV head's kept keys and
     values ``f[1, kv_heads, m, d]`` and positions ``int32[1, kv_heads, m]`` (-1: padding)."""
     idx = jnp.asarray(index[i])[None, :, :, None]
@@ -501,7 +506,8 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
                    window: Optional[int] = None, n_features: int = 256,
                    seed: int = 0, fit_inputs=None, ridge: float = 1e-6,
                    maps: Optional[Variables] = None, keep=None, score: str = "reconstruction",
-                   allocation: Optional[str] = None, instruction=None, chunk: int = 512) -> dict:
+                   allocation: Optional[str] = None, instruction=None, chunk: int = 512,
+                   scores=None) -> dict:
     """Store ``prompt`` as kernel-approximated bias terms in a softmax model (iclca.md, section 7).
 
     The prompt's keys and values are the exact ones of the prompted model (its decode cache); only
@@ -554,6 +560,8 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         ids of "\n\nRepeat the previous context exactly."); default none.
       chunk: tokens the selection passes read at once (bounds their memory; the scores do not depend
         on it).
+      scores: ``f[len(cfg.global_layers), kv_heads, n]``, scores already computed for this prompt
+        (``selection.score_prompt``: one pass serves several budgets); ``score`` then only names them.
       fit_inputs: optional ``int32[m, t]`` sample inputs. Then (B, b) are not sums over the prompt but
         the least-squares fit, per layer and head, of the prompt's exact numerator and partition at
         the queries the prompted model forms on these inputs (rows weighted by 1 / the query's total
@@ -590,7 +598,7 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     kept = None
     if keep is not None:
         kept = _select(model, variables, prompt, keep, score, allocation, sinks, window, instruction, chunk, seed,
-                       kernel, fit_inputs, form, learned, Ws)
+                       kernel, fit_inputs, form, learned, Ws, scores)
     kv, local = _prompt_kv_fn(model)(dict(variables), prompt)
     layers = {}
     lin = slice(sinks, n - window)  # without keep: the linearised prompt tokens; the rest stay exact
@@ -601,7 +609,7 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         W = Ws[l]
         key_map = (learned[l]["phi_k_W"], learned[l]["phi_k_b"]) if learned is not None else (W,)
         if kept is not None:
-            entries = _kept_entries(cfg, k, v, *kept, i)
+            entries = _kept_entries(k, v, *kept[1:], i)
             B, b = _dropped_terms(cfg, kernel, k, v, kept[0][i], key_map)
         else:
             entries = (k[:, :, exact], v[:, :, exact], jnp.asarray(exact)) if exact.size else (None,) * 3
@@ -622,6 +630,38 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     exact_windows = {PROMPT_STATE: local} if local else {}
     return {**variables, PROMPT_APPROX: layers, **exact_windows,
             POSITION: {"offset": jnp.asarray(n, jnp.int32)}}
+
+
+def keep_only(converted: Variables, kept) -> dict:
+    """A whole prompt kept exact, cut down to a selection: ``converted`` from ``convert_approx(model,
+    variables, prompt, "none", sinks=n, window=0)`` (every prompt token exact in every head), ``kept:
+    bool[len(cfg.global_layers), kv_heads, n]`` (``selection.allocate``). Returns what
+    ``convert_approx(..., kernel="none", keep=...)`` stores for that kept set, without running the
+    model again: one conversion of a prompt serves every score and budget."""
+    layers = converted.get(PROMPT_APPROX) if isinstance(converted, Mapping) else None
+    if not layers:
+        raise LiniclError("keep_only needs convert_approx's variables of the whole prompt kept exact")
+    scopes = sorted(layers, key=scope_layer)
+    first = layers[scopes[0]]["attn"]["approx"]
+    n = 0 if first.sink_pos is None else first.sink_pos.shape[-1]
+    whole = all(a.B is None and a.sink_pos is not None and a.sink_pos.ndim == 1 and a.sink_k.shape[0] == 1
+                and np.array_equal(np.asarray(a.sink_pos), np.arange(n))
+                for a in (layers[s]["attn"]["approx"] for s in scopes))
+    if not whole:
+        raise LiniclError("keep_only needs a batch-1 prompt converted whole and exact: convert_approx(model, "
+                          "variables, prompt, 'none', sinks=n, window=0) with n the prompt's length")
+    kept = np.asarray(kept)
+    want = (len(scopes), first.sink_k.shape[1], n)
+    if kept.shape != want or kept.dtype != bool:
+        raise LiniclError(f"kept must be bool[{want[0]}, {want[1]}, {want[2]}] (global layers, KV heads, prompt "
+                          f"tokens), got {kept.dtype}{list(kept.shape)}")
+    index, valid = selection.kept_entries(kept)
+    out = {}
+    for i, scope in enumerate(scopes):
+        a = layers[scope]["attn"]["approx"]
+        k, v, pos = _kept_entries(a.sink_k, a.sink_v, index, valid, i)
+        out[scope] = {"attn": {"approx": a.replace(sink_k=k, sink_v=v, sink_pos=pos)}}
+    return {**converted, PROMPT_APPROX: out}
 
 
 def stored_floats(converted: Variables) -> dict:

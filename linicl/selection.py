@@ -79,14 +79,17 @@ def _check_model(cfg: ModelConfig) -> None:
 
 def _cache_model(model, slots: int):
     """The model with a decode cache of ``slots`` (bucketed) instead of ``max_len``: the passes below
-    read every slot of it. Not with learned positions (their table is ``max_len`` long)."""
+    read every slot of it. With rope (or no positions) ``max_len`` bounds nothing but the cache, so it
+    may also grow past the model's (KVzip's re-read sits after the prompt); learned positions are a
+    table of ``max_len`` rows and must hold every slot."""
     cfg = config_of(model)
-    if slots > cfg.max_len:
-        raise LiniclError(f"selection needs {slots} positions (the prompt and what re-reads it), but the "
-                          f"model's max_len is {cfg.max_len}; pass a smaller chunk or a shorter prompt")
     if cfg.positions == "learned":
+        if slots > cfg.max_len:
+            raise LiniclError(f"selection needs {slots} positions (the prompt and what re-reads it), but the "
+                              f"model's learned positions stop at max_len={cfg.max_len}; use a shorter prompt "
+                              f"or another score")
         return model
-    size = min(cfg.max_len, compiled.geometric_bucket(slots))
+    size = compiled.geometric_bucket(slots)
     return model if size == cfg.max_len else model.clone(cfg=cfg.replace(max_len=size))
 
 
@@ -213,7 +216,7 @@ def _expected(model, variables, prompt, chunk, sinks, future):
     count = max(n - sinks, 1)
     if cfg.positions == "rope":
         R = np.asarray(kv_scores.mean_rotation(jnp.arange(n, n + future), d, cfg.rope_base, cfg.rope_style,
-                                               jnp.float64), np.float64)
+                                               jnp.result_type(float)), np.float64)  # float64 where enabled
     else:
         R = np.eye(d)
     out = []
@@ -332,10 +335,11 @@ def allocate(scores: np.ndarray, tokens: int, *, sinks: int, window: int, alloca
 
 def kept_entries(kept: np.ndarray) -> tuple:
     """``(index int32[layers, kv_heads, m], valid bool[layers, kv_heads, m])`` from ``kept``: each
-    head's kept token positions in order, padded to the longest head's ``m`` (padding: index 0,
-    invalid)."""
+    head's kept token positions in order, padded (index 0, invalid) to ``m``, the longest head's count
+    rounded up to its ``compiled.geometric_bucket``, so that selections of similar sizes share one
+    compiled query program."""
     counts = kept.sum(-1)
-    m = max(int(counts.max()), 1)
+    m = compiled.geometric_bucket(max(int(counts.max()), 1))
     index = np.zeros(kept.shape[:2] + (m,), np.int32)
     valid = np.arange(m)[None, None, :] < counts[..., None]
     for l in range(kept.shape[0]):

@@ -13,6 +13,8 @@ Modules, one concept each:
   hook_z error; ``query_window``, ``task_targets``), and the summaries over cells (``correctness``
   for ``linicl.recovery.recovery``, ``layer_error_summary``).
 * ``report``: the tables and figures of the experiment's report.
+* ``selected``: selections of a long prompt's exact keys and values (``convert_approx(keep=...)``)
+  on the long-prompt probes (``select_prompt``, ``selected_rows``, ``selection_table``).
 
 ``experiments/approx_conversion.py`` runs them on SmolLM2 or Gemma 3.
 """

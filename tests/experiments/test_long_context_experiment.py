@@ -22,6 +22,11 @@ def test_help():
         assert flag in out
 
 
+def sizes_softmax(report, cell) -> int:
+    """The softmax teacher's full KV floats of the cell's context (all but the question)."""
+    return cell["methods"]["softmax"]["state_floats"]
+
+
 @pytest.mark.usefixtures("data_env")  # the full data sets, else the committed sample
 def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--quick", "--no-progress", "--out", str(tmp_path)]
@@ -36,18 +41,27 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     oracle = [m for m in methods if m.endswith("+oracle")]
     assert len(oracle) == 1  # the diagnostic, on the passkey cell only
     assert {c["probe"] for c in report["cells"].values()} == {"passkey", "kv", "antonym k=2"}
+    chosen = [m for m in methods if "@" in m]  # the selections (--quick: three scores at one budget)
+    assert chosen == ["reconstruction@0.5", "expected@0.5", "recent@0.5"]
     for cell in report["cells"].values():
-        assert set(cell["methods"]) == set(methods) - (set() if cell["probe"] == "passkey" else set(oracle))
+        keyed = cell["probe"] in ("passkey", "kv")
+        assert set(cell["methods"]) == (set(methods) - (set() if cell["probe"] == "passkey" else set(oracle))
+                                        - (set() if keyed else set(chosen)))
+        for name in chosen if keyed else ():
+            row = cell["selection"][name]
+            assert 0 < row["state_floats"] <= 0.5 * sizes_softmax(report, cell) and row["score_per_prefill"] >= 0
+            assert ("line_kept" in row) == (cell["probe"] == "passkey")
         for name, row in cell["methods"].items():
             assert row["n"] == len(row["correct"]) == 2
-            if name not in ("softmax", *oracle):
+            if name not in ("softmax", *oracle, *chosen):
                 assert row["converted"]["answers_equal"] == row["converted"]["of"] == 1
                 assert row["converted"]["max_rel_err"] <= 1e-4
     sizes = report["state_floats"]
     student, windows = sizes["student"], [sizes[m] for m in plain]
     assert max(windows) <= student < max(windows) + sizes["softmax"] / 288  # the equal window: within a token
     assert sizes[cached[0]] <= student  # the window + cache fits the student's state too
-    assert set(report["loss"]) == set(methods) - set(oracle)
+    assert set(report["loss"]) == set(methods) - set(oracle) - set(chosen)
+    assert "Selection at conversion" in report["table"] and "| passkey | 288 | recent |" in report["table"]
     assert all(math.isfinite(x) for x in json_numbers(report))
     assert (tmp_path / "long_context.png").exists()
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=1800)

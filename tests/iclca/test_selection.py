@@ -194,3 +194,24 @@ def test_selection_refuses_batches_jit_and_kernel_terms_over_budget(tiny):
         jax.jit(lambda p: iclca.convert_approx(model, variables, p, "none", keep=0.5))(prompt[None])
     with pytest.raises(linicl.LiniclError, match="kernel terms alone hold"):
         iclca.convert_approx(model, variables, prompt[None], "taylor2", keep=0.1)
+
+
+def test_keep_only_cuts_a_whole_conversion_to_the_same_selection(tiny):
+    """One exact conversion of the whole prompt serves every score and budget: cut to a kept set it
+    equals convert_approx(keep=...) with that set, bit for bit at the query."""
+    model, variables, prompt, query = tiny
+    scores = selection.score_prompt(model, variables, prompt, "h2o")
+    direct = iclca.convert_approx(model, variables, prompt[None], "none", keep=0.3, score="h2o", scores=scores,
+                                  sinks=1, window=2)
+    whole = iclca.convert_approx(model, variables, prompt[None], "none", sinks=N, window=0)
+    kept = selection.allocate(scores, selection.token_budget(model.cfg, N, 0.3), sinks=1, window=2,
+                              allocation="global")
+    cut = iclca.keep_only(whole, kept)
+    assert rel_err(model.apply(cut, jnp.asarray(query)), model.apply(direct, jnp.asarray(query))) == 0
+    assert iclca.stored_floats(cut) == iclca.stored_floats(direct)
+    with pytest.raises(linicl.LiniclError, match="converted whole and exact"):
+        iclca.keep_only(direct, kept)
+    with pytest.raises(linicl.LiniclError, match="kept must be bool"):
+        iclca.keep_only(whole, kept[:, :, :-1])
+    with pytest.raises(linicl.LiniclError, match="scores must be finite"):
+        iclca.convert_approx(model, variables, prompt[None], "none", keep=0.3, scores=scores[:, :, 1:])

@@ -30,7 +30,7 @@ RANKS = {
     "batching": 5, "activations": 5, "evaluate": 5, "memory": 5, "training": 5, "fidelity": 5, "recovery": 5,
     "selection": 5,
     "iclca": 6, "implicit": 6, "routing": 6, "diagnostics": 6, "linearize": 6, "capacity": 6, "approx": 6,
-    "bias_training": 6,
+    "bias_training": 6, "prompt_file": 6,
     "verify": 7, "benchmarking": 7, "cli": 8,
 }
 

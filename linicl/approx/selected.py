@@ -1,0 +1,158 @@
+"""Selections of a long prompt's exact keys and values (``convert_approx(keep=...)``) evaluated on the
+long-prompt probes (``linicl.data.long_context``): the question read alone after a prompt that keeps
+only what its scores chose, against the prompted model.
+
+``select_prompt`` does one prompt: its context (all but the question) converted whole and exact once,
+each score computed once (``selection.score_prompt``), then for every (score, budget) the kept set
+(``selection.allocate``), the cut conversion (``iclca.keep_only``) and the greedy answer to the
+question. ``selected_rows`` gathers the prompts of a cell into one ``scored_row`` per method, named
+``"<score>@<keep>"`` (``method_name``). Each budget's "recent" method is StreamingLLM at that budget:
+the sliding window (with sinks) holding exactly as many floats.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping, Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from linicl import iclca, selection, stats
+from linicl.data import long_context as lc
+from linicl.errors import LiniclError
+from linicl.evaluate import greedy_answers, normalise_answer
+from linicl.names import SELECTION_SCORES
+from linicl.reporting import markdown_table
+
+__all__ = ["method_name", "select_prompt", "selected_rows", "selection_table", "plot_budgets"]
+
+
+def method_name(score: str, keep) -> str:
+    """``"reconstruction@0.1"``: a score at a budget (a float share of the KV, or an int of tokens per
+    KV head)."""
+    return f"{score}@{keep:g}"
+
+
+def _check(scores: Sequence[str], keeps: Sequence) -> None:
+    bad = [s for s in scores if s not in SELECTION_SCORES]
+    if bad or not scores:
+        raise LiniclError(f"scores must be a non-empty list of {SELECTION_SCORES}, got {list(scores)}")
+    if not keeps:
+        raise LiniclError("keeps must name at least one budget")
+
+
+def select_prompt(model, variables, prompt, tokenizer, *, scores: Sequence[str], keeps: Sequence,
+                  sinks: int = 4, window: int = 16, instruction=None, max_new: int = 8, chunk: int = 512,
+                  seed: int = 0, span: Optional[tuple] = None) -> dict:
+    """One ``linicl.data.Prompt`` under every (score, budget): ``dict(answers={method: answer},
+    floats={method: kept floats}, line_kept={method: share} (with ``span``, e.g. a passkey prompt's
+    ``long_context.key_line``: the share of that span's (layer, KV head, token) entries kept),
+    seconds={"prefill": the whole conversion, score: its selection pass})``."""
+    _check(scores, keeps)
+    cfg = model.cfg
+    ctx, question = np.asarray(prompt.tokens[:prompt.query_start]), list(prompt.tokens[prompt.query_start:])
+    n = len(ctx)
+    t0 = time.perf_counter()
+    whole = iclca.convert_approx(model, variables, jnp.asarray(ctx)[None], "none", sinks=n, window=0)
+    seconds = {"prefill": time.perf_counter() - t0}
+    out = dict(answers={}, floats={}, line_kept={}, seconds=seconds)
+    for score in scores:
+        t0 = time.perf_counter()
+        got = selection.score_prompt(model, variables, ctx, score, chunk=chunk, sinks=sinks,
+                                     instruction=instruction, seed=seed)
+        seconds[score] = time.perf_counter() - t0
+        for keep in keeps:
+            name = method_name(score, keep)
+            kept = selection.allocate(got, selection.token_budget(cfg, n, keep), sinks=sinks, window=window,
+                                      allocation=selection.default_allocation(score))
+            conv = iclca.keep_only(whole, kept)
+            out["answers"][name] = greedy_answers(model, conv, tokenizer, [question], max_new=max_new,
+                                                  common=dict(batch_size=1, progress=False))[0]
+            out["floats"][name] = iclca.stored_floats(conv)["kept"]
+            if span is not None:
+                out["line_kept"][name] = float(kept[:, :, span[0]:span[1]].mean())
+    return out
+
+
+def selected_rows(records: Sequence[Mapping], prompts: Sequence, *, keyed: bool) -> dict:
+    """``{method: row}`` over a cell's prompts from their ``select_prompt`` records (in prompt order):
+    ``accuracy``, ``wilson``, ``correct``, ``predictions`` and ``n`` as ``long_prompts.scored_row``
+    writes them, plus ``state_floats`` (the largest over the prompts), ``line_kept`` (mean, passkey),
+    ``score_s`` and ``prefill_s`` (mean seconds) and ``score_per_prefill`` (their ratio)."""
+    if len(records) != len(prompts) or not records:
+        raise LiniclError(f"selected_rows needs one record per prompt, got {len(records)} records for "
+                          f"{len(prompts)} prompts")
+    rows = {}
+    prefill = float(np.mean([r["seconds"]["prefill"] for r in records]))
+    for name in records[0]["answers"]:
+        answers = [r["answers"][name] for r in records]
+        if keyed:
+            correct = np.asarray([lc.key_answered(a, p.label) for a, p in zip(answers, prompts)])
+        else:
+            correct = np.asarray([normalise_answer(a) == normalise_answer(p.label) for a, p in zip(answers, prompts)])
+        score = name.split("@")[0]
+        score_s = float(np.mean([r["seconds"][score] for r in records]))
+        row = dict(method=name, correct=correct.astype(int).tolist(), predictions=answers,
+                   accuracy=float(correct.mean()), wilson=list(stats.wilson(int(correct.sum()), len(correct))),
+                   n=len(correct), tokens=int(len(prompts[0])),
+                   state_floats=int(max(r["floats"][name] for r in records)),
+                   score_s=score_s, prefill_s=prefill, score_per_prefill=score_s / prefill)
+        lines = [r["line_kept"][name] for r in records if name in r["line_kept"]]
+        if lines:
+            row["line_kept"] = float(np.mean(lines))
+        rows[name] = row
+    return rows
+
+
+def selection_table(cells: Mapping[str, Mapping], scores: Sequence[str], keeps: Sequence) -> str:
+    """Markdown: per keyed cell and score, accuracy % [95 % Wilson] at each budget, the paired
+    difference against ``"recent"`` at that budget (the equal-state window; when it ran), the key
+    line's kept share and the selection's seconds per prefill. ``cells``: the experiment's cells, each
+    with ``probe``, ``tokens`` and ``selection`` (``selected_rows``)."""
+    header = ["probe", "tokens", "score"] + [f"keep {k:g}" for k in keeps] + ["line kept", "time / prefill"]
+    rows = []
+    for key in sorted((k for k in cells if "selection" in cells[k]), key=lambda k: (cells[k]["probe"], cells[k]["tokens"])):
+        c, sel = cells[key], cells[key]["selection"]
+        for score in scores:
+            cols = []
+            for keep in keeps:
+                r, ref = sel.get(method_name(score, keep)), sel.get(method_name("recent", keep))
+                if r is None:
+                    cols.append("-")
+                    continue
+                text = f"{100 * r['accuracy']:.0f} [{100 * r['wilson'][1]:.0f}, {100 * r['wilson'][2]:.0f}]"
+                if ref is not None and score != "recent":
+                    d = stats.paired_bootstrap(r["correct"], ref["correct"])
+                    text += f" ({100 * d[0]:+.0f} [{100 * d[1]:+.0f}, {100 * d[2]:+.0f}])"
+                cols.append(text)
+            first = sel.get(method_name(score, keeps[0]), {})
+            line = "; ".join(f"{sel[method_name(score, k)]['line_kept']:.2f}" for k in keeps
+                             if "line_kept" in sel.get(method_name(score, k), {}))
+            rows.append([c["probe"], c["tokens"], score] + cols + [line or "-",
+                                                                  f"{first.get('score_per_prefill', float('nan')):.2f}"])
+    n = max((r["n"] for c in cells.values() for r in c.get("selection", {}).values()), default=0)
+    return "\n".join([
+        f"Selection at conversion (softmax teacher, kernel 'none'); accuracy % [95 % Wilson], n={n} per cell, and "
+        "in brackets the paired difference against 'recent' at the same budget (the sliding window with sinks "
+        "holding the same floats; 95 % bootstrap); line kept: the share of the passkey line's (layer, KV head, "
+        "token) entries kept, per budget; time / prefill: the score's pass against one prefill of the context.",
+        "", markdown_table(header, rows)])
+
+
+def plot_budgets(ax_row, cells: Mapping[str, Mapping], scores: Sequence[str], keeps: Sequence) -> None:
+    """Accuracy (95 % Wilson) against the budget, one axis per keyed cell with a selection, one line per
+    score."""
+    keys = sorted((k for k in cells if "selection" in cells[k]), key=lambda k: (cells[k]["probe"], cells[k]["tokens"]))
+    for ax, key in zip(ax_row, keys):
+        sel = cells[key]["selection"]
+        for score in scores:
+            pts = [(k, sel[method_name(score, k)]) for k in keeps if method_name(score, k) in sel]
+            if pts:
+                x = [100 * k for k, _ in pts]
+                ax.plot(x, [r["accuracy"] for _, r in pts], "o-", label=score)
+                ax.fill_between(x, [r["wilson"][1] for _, r in pts], [r["wilson"][2] for _, r in pts], alpha=0.1)
+        ax.set(xscale="log", xlabel="kept % of the context's KV floats", ylabel="accuracy (95 % Wilson)",
+               title=f"{cells[key]['probe']} {cells[key]['tokens']} tokens", ylim=(-0.02, 1.02))
+    if keys:
+        ax_row[0].legend(fontsize=7)
