@@ -24,6 +24,8 @@ Usage (from the repository root; CPU heavy, a full run takes a while):
     .venv/bin/python tools/mutate.py --no-reference       # only the existing tests
     .venv/bin/python tools/mutate.py --json results/mutants.json
     .venv/bin/python tools/mutate.py --set round3         # the third round's mutants (issue 25)
+    .venv/bin/python tools/mutate.py --set round4 --no-reference   # the fourth round's (issue 52): sparse
+                                                      # cache, GGUF K-quants, sharding, long prompts, tokenizer
 
 The table printed at the end: mutant | caught | by test (existing files) | by test_reference.py |
 seconds. ``--profile`` sets ``HYPOTHESIS_PROFILE`` (default ``ci``, the suite's own).
@@ -207,7 +209,75 @@ ROUND3 = (
            (_edit("linicl/linearize/quality.py", "tokens[:, 1:, None]", "tokens[:, :-1, None]"),),
            ("tests/linearize/test_linearize.py::test_next_token_loss_by_position",)),
 )
-SETS = {"round1-2": MUTANTS, "round3": ROUND3}
+
+# Round 4 (issue 52): one-line bugs in the newer code: the sparse cache (LoLA), the GGUF K-quant
+# dequantisers, the sharding rules, the long-prompt builders and the tokenizer; ``--set round4`` runs
+# them (``--no-reference``: the NumPy reference is about the model kernels, none of these is there).
+SPARSE, SPARSE_MODEL = "linicl/kernels/sparse_cache.py", "tests/nn/test_sparse_cache_model.py"
+SPARSE_TESTS = "tests/kernels/test_sparse_cache.py"
+GGUF, PARALLEL, LONG, TOKENIZER = ("linicl/lm/gguf.py", "linicl/parallel.py", "linicl/data/long_context.py",
+                                   "linicl/lm/tokenizer.py")
+GGUF_TESTS, TOKENIZER_TESTS = "tests/lm/test_gguf.py", "tests/lm/test_tokenizer.py"
+LONG_TESTS = "tests/data/test_long_context.py"
+SHARDING, SHARDING_INPUTS = "tests/library/test_sharding.py", "tests/library/test_sharding_inputs.py"
+ROUND4 = (
+    Mutant("cache-evicts-highest", "of the cached tokens and the candidate, the highest score leaves for the "
+           "linear state (the cache keeps what the state recalls best)",
+           (_edit(SPARSE, "lowest = score == score.min(-1, keepdims=True)",
+                  "lowest = score == score.max(-1, keepdims=True)"),),
+           (SPARSE_TESTS, SPARSE_MODEL)),
+    Mutant("cache-slot-pos-not-rewritten", "a candidate that replaces a cached token leaves that token's "
+           "position in the slot (positions written into empty slots only)",
+           (_edit(SPARSE, "new_pos = jnp.where(put, c_pos[..., None], pos)",
+                  "new_pos = jnp.where(put & (pos < 0), c_pos[..., None], pos)"),),
+           (SPARSE_TESTS, SPARSE_MODEL)),
+    Mutant("cache-leave-decay-off-by-one", "a token leaving for (S, z) is weighted gamma^(t - i + 1)",
+           (_edit(SPARSE, "w = _powers(gamma, t - jnp.broadcast_to(pos, (B, H)), leaves, S.dtype)",
+                  "w = _powers(gamma, t - jnp.broadcast_to(pos, (B, H)) + 1, leaves, S.dtype)"),),
+           (SPARSE_TESTS, SPARSE_MODEL)),
+    Mutant("q4k-min-sign", "Q4_K adds the sub-block minimum (x = d sc q + dmin m) instead of subtracting it",
+           (_edit(GGUF, "return (scale * q - shift).reshape(-1, 256)", "return (scale * q + shift).reshape(-1, 256)"),),
+           (GGUF_TESTS,)),
+    Mutant("q4k-min-high-bits-from-scale-bytes", "Q4_K's minima 4-7 take their top two bits from the scale "
+           "bytes 0-3 instead of the minimum bytes 4-7",
+           (_edit(GGUF, "(s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)", "(s[:, 8:12] >> 4) | ((s[:, 0:4] >> 6) << 4)"),),
+           (GGUF_TESTS,)),
+    Mutant("q6k-scales-unsigned", "Q6_K's 16 sub-block scales read as unsigned bytes (a negative scale "
+           "becomes 256 + s)",
+           (_edit(GGUF, '("scales", "i1", 16)', '("scales", "u1", 16)'),),
+           (GGUF_TESTS,)),
+    Mutant("shard-o-kernel-wrong-axis", "the rule for attn/o/kernel [heads, d_head, d_model] splits d_head "
+           "over \"model\" instead of the heads",
+           (_edit(PARALLEL, '(r"attn/o/kernel$", 0),', '(r"attn/o/kernel$", 1),'),),
+           (SHARDING + "::test_the_rules_split_heads_columns_and_vocabulary", SHARDING)),
+    Mutant("batch-over-model-axis", "shard_batch splits the batch over every mesh axis (\"data\" and "
+           "\"model\") instead of \"data\" alone",
+           (_edit(PARALLEL, "NamedSharding(mesh, PartitionSpec(DATA_AXIS))",
+                  "NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))"),),
+           (SHARDING_INPUTS, SHARDING)),
+    Mutant("key-depth-truncated", "the passkey line after int(depth * budget) filler tokens (truncated, "
+           "not rounded)",
+           (_edit(LONG, "before = int(round(depth * budget))", "before = int(depth * budget)"),),
+           (LONG_TESTS,)),
+    Mutant("key-answered-prefix", "key_answered accepts an answer whose first number is a prefix of the key",
+           (_edit(LONG, "return digits is not None and digits.group() == key",
+                  "return digits is not None and key.startswith(digits.group())"),),
+           (LONG_TESTS,)),
+    Mutant("bos-default-inverted", "encode(text) adds BOS exactly where the checkpoint says not to",
+           (_edit(TOKENIZER, "if self.adds_bos if add_bos is None else add_bos:",
+                  "if (not self.adds_bos) if add_bos is None else add_bos:"),),
+           (TOKENIZER_TESTS,)),
+    Mutant("no-byte-fallback", "Gemma's SentencePiece without byte fallback (a character with no piece "
+           "becomes <unk>)",
+           (_edit(TOKENIZER, 'unk_token="<unk>", fuse_unk=True, byte_fallback=True)',
+                  'unk_token="<unk>", fuse_unk=True, byte_fallback=False)'),),
+           (TOKENIZER_TESTS,)),
+    Mutant("sp-merge-split-off-by-one", "SentencePiece merges enumerate splits cut = len - 1 .. 2: no merge "
+           "with a one-character left part",
+           (_edit(TOKENIZER, "for cut in range(len(p) - 1, 0, -1)", "for cut in range(len(p) - 1, 1, -1)"),),
+           (TOKENIZER_TESTS,)),
+)
+SETS = {"round1-2": MUTANTS, "round3": ROUND3, "round4": ROUND4}
 
 
 # ------------------------------------------------------------------------------ the copy and the run
@@ -238,21 +308,31 @@ class Run:
     tail: str
 
 
+# A summary line "FAILED path::test[param id] - message": the node id whole, a parameter id with
+# spaces included (e.g. "[The capital of France is-ids0]"), without the message.
+_SUMMARY = re.compile(r"^(FAILED|ERROR) ([^\s\[]+(?:\[.*?\])?)(?: - |$)")
+
+
+def _summary_ids(output: str) -> list:
+    """``(kind, node id)`` of every FAILED / ERROR line of pytest's short summary, in order."""
+    return [m.groups() for m in map(_SUMMARY.match, output.splitlines()) if m]
+
+
 def _first_failure(output: str, returncode: int) -> Optional[str]:
     if returncode == 0:
         return None
-    for line in output.splitlines():
-        m = re.match(r"^(FAILED|ERROR) (\S+)", line)
-        if m:
-            return m.group(2) if m.group(1) == "FAILED" else f"error: {m.group(2)}"
+    for kind, node in _summary_ids(output):
+        return node if kind == "FAILED" else f"error: {node}"
     if returncode == 5:
         return "no tests collected"
     return f"pytest exit {returncode}"
 
 
 def _pytest(dest: pathlib.Path, tests: Sequence[str], env: dict, timeout: float, stop: bool = True) -> Run:
+    # --keep-duplicates: a node id listed before its own file runs first (pytest would otherwise
+    # merge the two into the file's order, and "fastest first" would not hold).
     cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-n", "0", "-p", "no:cacheprovider",
-           "--rootdir", str(dest)] + (["-x"] if stop else [])
+           "--keep-duplicates", "--rootdir", str(dest)] + (["-x"] if stop else [])
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
@@ -359,20 +439,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _baseline(rows: list, clean: pathlib.Path, env: dict, timeout: float) -> None:
     """Re-run every catching test on the unmutated copy; flag the catches of tests that fail there."""
-    ids = sorted({r[k] for r in rows for k in ("by_test", "by_reference")
-                  if r[k] and "::" in r[k] and not r[k].startswith(("error", "timeout"))})
+    node = lambda caught: caught.removeprefix("error: ")  # noqa: E731  (a test that errored: its id)
+    ids = sorted({node(r[k]) for r in rows for k in ("by_test", "by_reference")
+                  if r[k] and "::" in r[k] and not r[k].startswith("timeout")})
     if not ids:
         return
     run = _pytest(clean, ids, env, timeout, stop=False)
     if run.returncode == 0:
         print(f"baseline: the {len(ids)} catching tests pass on the unmutated copy")
         return
-    bad = {line.split()[1] for line in run.tail.splitlines() if line.startswith(("FAILED ", "ERROR "))}
-    print(f"baseline: these tests FAIL on the unmutated copy too (their catches are not evidence): "
-          f"{sorted(bad) or run.tail}")
+    bad = {n for _, n in _summary_ids(run.tail)}
+    if not bad:
+        print(f"baseline: the catching tests could not be run on the unmutated copy (pytest exit "
+              f"{run.returncode}); their catches are unchecked:\n{run.tail}")
+        return
+    print(f"baseline: these tests FAIL on the unmutated copy too (their catches are not evidence): {sorted(bad)}")
     for r in rows:
         for k in ("by_test", "by_reference"):
-            if r[k] in bad:
+            if r[k] and node(r[k]) in bad:
                 r[k] += " (fails unmutated!)"
         if r["caught"] == "yes" and not any(r[k] and "::" in r[k] and not r[k].endswith("unmutated!)")
                                             for k in ("by_test", "by_reference")):
