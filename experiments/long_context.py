@@ -63,14 +63,14 @@ from linicl.data import long_context as lc
 from linicl.linearize.baselines import EQUAL, RULE_NAMES, compared_methods, student_budget
 from linicl.approx import selected
 from linicl.linearize.long_prompts import oracle_window, score_method, versus_equal_window
-from linicl.names import SELECTION_SCORES
+from linicl.names import ALLOCATIONS, SELECTION_SCORES
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf", "llama-tiny.gguf")
 # Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
                     "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len",
-                    "select_scores", "select_keeps")
+                    "select_scores", "select_keeps", "select_allocations")
 REPEAT = "\n\nRepeat the previous context exactly."  # KVzip's re-read instruction (kvpress's wording)
 
 
@@ -103,6 +103,9 @@ def parse_args(argv=None):
                    help="selection methods: scores of the teacher's prompt keys (default none)")
     p.add_argument("--select-keeps", nargs="+", type=float, default=[0.05, 0.1, 0.25],
                    help="selection budgets: shares of the context's full KV floats")
+    p.add_argument("--select-allocations", nargs="+", default=[], choices=list(ALLOCATIONS),
+                   help="also these allocations of the budget over heads (each score runs with its default: "
+                        "'global' for attention scores, 'uniform' for recent and random)")
     p.add_argument("--select-sinks", type=reporting.nonnegative_int, default=4, help="sinks every selection keeps")
     p.add_argument("--select-window", type=reporting.nonnegative_int, default=16,
                    help="last context tokens every selection keeps")
@@ -127,6 +130,7 @@ def parse_args(argv=None):
         args.oracle = True
         args.select_scores = args.select_scores or ["reconstruction", "expected", "recent"]
         args.select_keeps, args.select_sinks, args.select_window = [0.5], 2, 4
+        args.select_allocations = args.select_allocations or ["heads"]
         args.convert_check = 1 if args.convert_check is None else args.convert_check
     return args
 
@@ -169,7 +173,8 @@ def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
     """The selection methods on one keyed cell: one record per prompt (resumable), then a row per
     ``<score>@<keep>``."""
     setting = f"select {','.join(args.select_scores)} keep {','.join(f'{k:g}' for k in args.select_keeps)} " \
-              f"sinks {args.select_sinks} window {args.select_window}"
+              f"sinks {args.select_sinks} window {args.select_window}" + \
+              (f" allocations {','.join(args.select_allocations)}" if args.select_allocations else "")
     instruction = tok.encode(REPEAT, add_bos=False)
     records = []
     for i, p in enumerate(tqdm(prompts, disable=not args.progress, desc=f"{key} selection", leave=False)):
@@ -179,7 +184,7 @@ def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
             done = prog.put(name, selected.select_prompt(
                 teacher, tv, p, tok, scores=args.select_scores, keeps=args.select_keeps, sinks=args.select_sinks,
                 window=args.select_window, instruction=instruction, seed=args.seed,
-                span=lc.key_line(p) if key.startswith("passkey") else None))
+                span=lc.key_line(p) if key.startswith("passkey") else None, allocations=args.select_allocations))
         records.append(done)
     return selected.selected_rows(records, prompts, keyed=True)
 
@@ -200,8 +205,9 @@ def tables(report: dict) -> str:
             for m in methods])
     lines.append(reporting.markdown_table(header, rows))
     if any("selection" in c for c in cells.values()):
-        lines += ["", selected.selection_table(cells, report["settings"]["select_scores"],
-                                              report["settings"]["select_keeps"])]
+        settings = report["settings"]
+        lines += ["", selected.selection_table(cells, settings["select_scores"], settings["select_keeps"],
+                                              settings.get("select_allocations", []))]
     sizes = report.get("state_floats", {})
     if sizes:
         lines += ["", "State floats per prompt row at the longest prompt evaluated (students: as stored; windows: the KV of "
@@ -234,7 +240,8 @@ def figure(plt, report: dict):
     axes = grid[0]
     if chosen:
         settings = report["settings"]
-        selected.plot_budgets(grid[1], report["cells"], settings["select_scores"], settings["select_keeps"])
+        selected.plot_budgets(grid[1], report["cells"], settings["select_scores"], settings["select_keeps"],
+                              settings.get("select_allocations", []))
     for ax, probe in zip(axes, probes):
         cs = sorted((c for c in report["cells"].values() if c["probe"] == probe), key=lambda c: c["tokens"])
         for m in (m for m in report["methods"] if "@" not in m):

@@ -262,6 +262,19 @@ EXPERIMENTS = {
                   "linearized Llama-3-8B with no training; a 2026 study (arXiv 2608.28444): window 64 + 4 sinks "
                   "with no training keeps 17-23 % of full attention on 4K needle tests, LoLCATs <= 5.8 % "
                   "(linearization.md section 7; their figures, not re-measured)."),
+    "long_context_selection": dict(
+        title="Long prompts kept by selection at conversion: query-agnostic scores of SmolLM2's exact keys and values",
+        cmd=["experiments/long_context.py", "--resume"], quick=["--quick"],
+        full=["--lengths", "1024", "2048", "--n", "28", "--probes", "passkey", "--methods", "softmax",
+              "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
+              "--select-keeps", "0.05", "0.1", "0.25", "--convert-check", "0"],
+        json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
+        note="every selection keeps 4 sinks and the last 16 context tokens in every KV head; 'recent' at a budget "
+             "is the sliding window with sinks holding the same floats. The question is read alone after the "
+             "converted context; the softmax column reads the whole prompt.",
+        reference="KVzip (arXiv 2505.23416): needle retrieval 100 % at 10 % of the KV on 7-8B models; Expected "
+                  "Attention (arXiv 2510.00636); SnapKV without the question and H2O fail there "
+                  "(compression.md; their figures, not re-measured)."),
     "long_context_gemma3": dict(
         title="Long prompts on Gemma 3 270M: passkey and 128-shot ICL past the 512-token local windows",
         cmd=["experiments/long_context.py", "--model", "gemma3", "--maps",

@@ -466,8 +466,8 @@ def _select(model, variables, prompt, keep, score, allocation, sinks, window, in
     if score not in SELECTION_SCORES:
         raise LiniclError(f"score must be one of {SELECTION_SCORES}, got {score!r}")
     allocation = selection.default_allocation(score) if allocation is None else allocation
-    if allocation == "global" and score in POSITIONLESS_SCORES:
-        raise LiniclError(f"allocation='global' ranks scores across heads, but score={score!r} says nothing "
+    if allocation in ("global", "heads") and score in POSITIONLESS_SCORES:
+        raise LiniclError(f"allocation={allocation!r} ranks scores across heads, but score={score!r} says nothing "
                           f"about which head needs more; use allocation='uniform'")
     if not _is_int(chunk) or chunk < 1:
         raise LiniclError(f"chunk must be a positive int (tokens the selection reads at once), got {chunk!r}")
@@ -554,8 +554,9 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         (a question-free observation window: the prompt's last 64 tokens), ``"recent"`` (StreamingLLM:
         sinks + the most recent tokens), ``"random"`` (drawn from ``seed``).
       allocation: ``"global"`` (top scores over all layers and heads: heads get unequal shares; the
-        default for the attention scores) or ``"uniform"`` (the same number per head; the default and
-        only choice for "recent" and "random").
+        default for the attention scores), ``"heads"`` (whole heads, highest mean score first) or
+        ``"uniform"`` (the same number per head; the default and only choice for "recent" and
+        "random").
       instruction: "reconstruction" only: token ids said before each re-read of the prompt (e.g. the
         ids of "\n\nRepeat the previous context exactly."); default none.
       chunk: tokens the selection passes read at once (bounds their memory; the scores do not depend

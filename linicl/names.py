@@ -104,11 +104,12 @@ APPROX_FORMS = ("shared", "mix", "hybrid")
 # iclca.convert_approx(keep=...) / linicl.selection: how the exact prompt keys to keep are scored, before
 # any query ("reconstruction": KVzip; "expected": Expected Attention; "h2o", "snapkv", "recent":
 # StreamingLLM's sinks + window, "random"), and how the budget is shared by the heads (the same number
-# each, or the top scores over all heads and layers). Positionless scores say nothing about which head
+# each, the top scores over all heads and layers, or whole heads ranked by their mean score:
+# DuoAttention's long-context heads, KVzip's head-level variant). Positionless scores say nothing about which head
 # needs more: they are allocated uniformly.
 SELECTION_SCORES = ("reconstruction", "expected", "h2o", "snapkv", "recent", "random")
 POSITIONLESS_SCORES = ("recent", "random")
-ALLOCATIONS = ("uniform", "global")
+ALLOCATIONS = ("uniform", "global", "heads")
 EDIT_OPS = ("add", "scale", "replace", "fn")  # linicl.nn.hooks.Edit
 REFERENCES = ("query", "own")  # linicl.implicit: which token is run alone
 OPEN_METRICS = ("exact_match", "first_content_token")  # linicl.evaluate: open-ended answers

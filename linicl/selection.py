@@ -18,17 +18,18 @@ query (compression.md). This module scores every cached key and allocates the bu
     rotated by the mean rope rotation of the next ``future`` positions; the closed-form expected
     softmax weight of each key, averaged over its group, times ``||v||``.
   - ``"h2o"`` (arXiv 2306.14048): the attention each key accumulates from every prompt query.
-  - ``"snapkv"`` (arXiv 2404.14469): the mean attention from the prompt's last ``observation``
-    queries (a question-free observation window: the converted prompt never holds the question),
-    smoothed over 5 tokens.
+  - ``"snapkv"`` (arXiv 2404.14469): the mean attention from an observation window, smoothed over 5
+    tokens: the queries of a fixed question-free suffix read after the prompt (``instruction``), or
+    without one the prompt's last ``observation`` queries (the converted prompt never holds the
+    question).
   - ``"recent"``: the position (StreamingLLM, arXiv 2309.17453, with the sinks); ``"random"``.
 
   Every pass runs the prompt through the decode cache ``chunk`` tokens at a time, and every score is
   reduced chunk by chunk (``kernels.kv_scores``): no layer holds an ``n x n`` attention map.
 * ``allocate(scores, tokens, sinks, window, allocation)`` -> ``bool[layers, kv_heads, n]``: the sinks
   and the last ``window`` tokens of every head, then the best scores: the same number per head
-  (``"uniform"``) or the top scores over all heads and layers (``"global"``, KVzip's choice: heads
-  get unequal shares).
+  (``"uniform"``), the top scores over all heads and layers (``"global"``, KVzip's choice: heads
+  get unequal shares) or whole heads by their mean score (``"heads"``).
 * ``token_budget``: a ``keep`` (a share of the prompt's full KV floats, or tokens per KV head) as
   the number of kept tokens.
 
@@ -153,16 +154,20 @@ def _causal(positions: np.ndarray, slots: int) -> np.ndarray:
     return np.arange(slots)[None, :] <= positions[:, None]
 
 
-def _h2o(model, variables, prompt, chunk, observation=None):
-    """H2O's accumulated attention (``observation=None``), or SnapKV's mean over the last
-    ``observation`` queries, per global layer ``f64[G, n]``."""
+def _h2o(model, variables, prompt, chunk, observation=None, suffix=None):
+    """H2O's accumulated attention (``observation=None``), or SnapKV's mean over an observation
+    window: the last ``observation`` prompt queries, or with ``suffix`` the queries of those tokens
+    read after the prompt. Per global layer ``f64[G, n]``."""
     cfg, n = config_of(model), len(prompt)
+    tokens = prompt if suffix is None or not len(suffix) else np.concatenate([prompt, suffix]).astype(np.int64)
+    if len(tokens) > n:
+        observation = len(tokens) - n
     acc = None
-    for pos, qs, state in _read(model, variables, prompt, chunk):
+    for pos, qs, state in _read(model, variables, tokens, chunk):
         slots = _first_layer_cache(cfg, state)["cached_k"].shape[2]
         visible = _causal(pos, slots)
         if observation is not None:
-            visible &= (pos >= n - observation)[:, None]
+            visible &= (pos >= len(tokens) - observation)[:, None]
             if not visible.any():
                 continue
         scored = np.arange(slots) < n
@@ -172,8 +177,7 @@ def _h2o(model, variables, prompt, chunk, observation=None):
     scores = np.stack(acc)[:, :, :n]
     if observation is None:
         return scores
-    pooled = np.asarray(kv_scores.pool(jnp.asarray(scores / min(observation, n)), SNAPKV_POOL))
-    return pooled
+    return np.asarray(kv_scores.pool(jnp.asarray(scores / min(observation, len(tokens))), SNAPKV_POOL))
 
 
 def _reconstruction(model, variables, prompt, chunk, instruction, sinks):
@@ -248,8 +252,10 @@ def score_prompt(model, variables, prompt, score: str, *, chunk: int = 512, sink
       chunk: tokens read at once by every pass (memory: ``chunk x cache slots`` weights per head).
       sinks: the first tokens, which "reconstruction" and "expected" leave out of their statistics (as
         kvpress does); ``allocate`` keeps them anyway.
-      instruction: "reconstruction" only: the token ids said before each re-read (e.g. the tokenizer's
-        ids of "\\n\\nRepeat the previous context exactly."; default none).
+      instruction: token ids read after the prompt: "reconstruction"'s, said before each re-read (e.g.
+        the ids of "\\n\\nRepeat the previous context exactly."; default none); "snapkv"'s, a fixed
+        question-free suffix whose queries are the observation window (default none: the prompt's
+        last ``observation`` tokens).
       seed: "random" only. observation: "snapkv"'s window. future: "expected"'s future positions.
     Higher is kept first; "recent" scores are the positions, "random" uniform draws.
     """
@@ -267,11 +273,13 @@ def score_prompt(model, variables, prompt, score: str, *, chunk: int = 512, sink
     if score == "random":
         return np.random.default_rng(seed).random(shape)
     instruction = np.asarray([] if instruction is None else instruction, np.int64)
-    reread = len(instruction) + KVZIP_OVERLAP + min(n, KVZIP_CHUNK) if score == "reconstruction" else 0
+    reread = {"reconstruction": len(instruction) + KVZIP_OVERLAP + min(n, KVZIP_CHUNK),
+              "snapkv": len(instruction)}.get(score, 0)
     small = _cache_model(model, n + reread)
     variables = {k: v for k, v in variables.items() if k == "params"}
     if score in ("h2o", "snapkv"):
-        return _h2o(small, variables, prompt, chunk, None if score == "h2o" else observation)
+        return _h2o(small, variables, prompt, chunk, None if score == "h2o" else observation,
+                    instruction if score == "snapkv" else None)
     if score == "expected":
         return _expected(small, variables, prompt, chunk, sinks, future)
     return _reconstruction(small, variables, prompt, chunk, instruction, sinks)
@@ -307,8 +315,10 @@ def allocate(scores: np.ndarray, tokens: int, *, sinks: int, window: int, alloca
     """``bool[layers, kv_heads, n]``: the kept tokens of every head.
 
     The first ``sinks`` and last ``window`` tokens of every head always; then, by ``allocation``,
-    ``"uniform"``: the best scores of each head up to ``tokens // heads`` each, or ``"global"``: the
-    best of all remaining scores (layers and heads compete), ``tokens`` in all. Ties go to the earlier
+    ``"uniform"``: the best scores of each head up to ``tokens // heads`` each, ``"global"``: the
+    best of all remaining scores (layers and heads compete), ``tokens`` in all, or ``"heads"``: whole
+    heads (every token kept), those of highest mean score first (DuoAttention's long-context heads,
+    arXiv 2410.10819, chosen per prompt as KVzip's head-level variant does), the last one partly. Ties go to the earlier
     layer, head and token. Raises when ``tokens`` cannot hold the sinks and windows."""
     if allocation not in ALLOCATIONS:
         raise LiniclError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
@@ -323,6 +333,8 @@ def allocate(scores: np.ndarray, tokens: int, *, sinks: int, window: int, alloca
                           f"lower sinks/window")
     kept = np.broadcast_to(forced, scores.shape).copy()
     free = np.where(kept, -np.inf, scores)
+    if allocation == "heads":
+        return _whole_heads(scores, kept, forced, tokens - need)
     if allocation == "uniform":
         per_head = min(tokens // (L * G), n) - int(forced.sum())
         order = np.argsort(-free, axis=-1, kind="stable")[..., :max(per_head, 0)]
@@ -331,6 +343,22 @@ def allocate(scores: np.ndarray, tokens: int, *, sinks: int, window: int, alloca
     flat = np.argsort(-free.reshape(-1), kind="stable")[:tokens - need]
     kept.reshape(-1)[flat] = True
     return kept
+
+
+def _whole_heads(scores: np.ndarray, kept: np.ndarray, forced: np.ndarray, left: int) -> np.ndarray:
+    """``kept`` plus whole heads (every token), the heads of highest mean score over their free tokens
+    first, while ``left`` tokens last; then the next head's best tokens with what remains."""
+    L, G, n = scores.shape
+    free = ~forced
+    per_head = np.where(free, scores, 0).sum(-1).reshape(-1) / max(int(free.sum()), 1)
+    flat, rest = kept.reshape(L * G, n), np.where(forced, -np.inf, scores).reshape(L * G, n)
+    for h in np.argsort(-per_head, kind="stable"):
+        take = min(left, int(free.sum()))
+        if take <= 0:
+            break
+        flat[h, np.argsort(-rest[h], kind="stable")[:take]] = True
+        left -= take
+    return flat.reshape(L, G, n)
 
 
 def kept_entries(kept: np.ndarray) -> tuple:

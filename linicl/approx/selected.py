@@ -22,16 +22,25 @@ from linicl import iclca, selection, stats
 from linicl.data import long_context as lc
 from linicl.errors import LiniclError
 from linicl.evaluate import greedy_answers, normalise_answer
-from linicl.names import SELECTION_SCORES
+from linicl.names import ALLOCATIONS, POSITIONLESS_SCORES, SELECTION_SCORES
 from linicl.reporting import markdown_table
 
 __all__ = ["method_name", "select_prompt", "selected_rows", "selection_table", "plot_budgets"]
 
 
-def method_name(score: str, keep) -> str:
+def method_name(score: str, keep, allocation: Optional[str] = None) -> str:
     """``"reconstruction@0.1"``: a score at a budget (a float share of the KV, or an int of tokens per
-    KV head)."""
-    return f"{score}@{keep:g}"
+    KV head) with the score's default allocation; ``"reconstruction:heads@0.1"`` with another."""
+    other = allocation is not None and allocation != selection.default_allocation(score)
+    return f"{score}{':' + allocation if other else ''}@{keep:g}"
+
+
+def _allocations(score: str, allocations: Sequence[str]) -> list:
+    """The allocations a score runs with: its default, then the others asked for that apply to it."""
+    default = selection.default_allocation(score)
+    if score in POSITIONLESS_SCORES:
+        return [default]
+    return [default] + [a for a in allocations if a != default]
 
 
 def _check(scores: Sequence[str], keeps: Sequence) -> None:
@@ -44,11 +53,14 @@ def _check(scores: Sequence[str], keeps: Sequence) -> None:
 
 def select_prompt(model, variables, prompt, tokenizer, *, scores: Sequence[str], keeps: Sequence,
                   sinks: int = 4, window: int = 16, instruction=None, max_new: int = 8, chunk: int = 512,
-                  seed: int = 0, span: Optional[tuple] = None) -> dict:
+                  seed: int = 0, span: Optional[tuple] = None, allocations: Sequence[str] = ()) -> dict:
     """One ``linicl.data.Prompt`` under every (score, budget): ``dict(answers={method: answer},
     floats={method: kept floats}, line_kept={method: share} (with ``span``, e.g. a passkey prompt's
     ``long_context.key_line``: the share of that span's (layer, KV head, token) entries kept),
-    seconds={"prefill": the whole conversion, score: its selection pass})``."""
+    seconds={"prefill": the whole conversion, score: its selection pass})``. Each score runs with its
+    default allocation and each of ``allocations`` that applies to it (``method_name``)."""
+    if any(a not in ALLOCATIONS for a in allocations):
+        raise LiniclError(f"allocations must be names of {ALLOCATIONS}, got {list(allocations)}")
     _check(scores, keeps)
     cfg = model.cfg
     ctx, question = np.asarray(prompt.tokens[:prompt.query_start]), list(prompt.tokens[prompt.query_start:])
@@ -62,10 +74,10 @@ def select_prompt(model, variables, prompt, tokenizer, *, scores: Sequence[str],
         got = selection.score_prompt(model, variables, ctx, score, chunk=chunk, sinks=sinks,
                                      instruction=instruction, seed=seed)
         seconds[score] = time.perf_counter() - t0
-        for keep in keeps:
-            name = method_name(score, keep)
+        for keep, allocation in ((k, a) for a in _allocations(score, allocations) for k in keeps):
+            name = method_name(score, keep, allocation)
             kept = selection.allocate(got, selection.token_budget(cfg, n, keep), sinks=sinks, window=window,
-                                      allocation=selection.default_allocation(score))
+                                      allocation=allocation)
             conv = iclca.keep_only(whole, kept)
             out["answers"][name] = greedy_answers(model, conv, tokenizer, [question], max_new=max_new,
                                                   common=dict(batch_size=1, progress=False))[0]
@@ -91,7 +103,7 @@ def selected_rows(records: Sequence[Mapping], prompts: Sequence, *, keyed: bool)
             correct = np.asarray([lc.key_answered(a, p.label) for a, p in zip(answers, prompts)])
         else:
             correct = np.asarray([normalise_answer(a) == normalise_answer(p.label) for a, p in zip(answers, prompts)])
-        score = name.split("@")[0]
+        score = name.split("@")[0].split(":")[0]
         score_s = float(np.mean([r["seconds"][score] for r in records]))
         row = dict(method=name, correct=correct.astype(int).tolist(), predictions=answers,
                    accuracy=float(correct.mean()), wilson=list(stats.wilson(int(correct.sum()), len(correct))),
@@ -105,7 +117,8 @@ def selected_rows(records: Sequence[Mapping], prompts: Sequence, *, keyed: bool)
     return rows
 
 
-def selection_table(cells: Mapping[str, Mapping], scores: Sequence[str], keeps: Sequence) -> str:
+def selection_table(cells: Mapping[str, Mapping], scores: Sequence[str], keeps: Sequence,
+                    allocations: Sequence[str] = ()) -> str:
     """Markdown: per keyed cell and score, accuracy % [95 % Wilson] at each budget, the paired
     difference against ``"recent"`` at that budget (the equal-state window; when it ran), the key
     line's kept share and the selection's seconds per prefill. ``cells``: the experiment's cells, each
@@ -114,10 +127,10 @@ def selection_table(cells: Mapping[str, Mapping], scores: Sequence[str], keeps: 
     rows = []
     for key in sorted((k for k in cells if "selection" in cells[k]), key=lambda k: (cells[k]["probe"], cells[k]["tokens"])):
         c, sel = cells[key], cells[key]["selection"]
-        for score in scores:
+        for score, allocation in ((s, a) for s in scores for a in _allocations(s, allocations)):
             cols = []
             for keep in keeps:
-                r, ref = sel.get(method_name(score, keep)), sel.get(method_name("recent", keep))
+                r, ref = sel.get(method_name(score, keep, allocation)), sel.get(method_name("recent", keep))
                 if r is None:
                     cols.append("-")
                     continue
@@ -126,10 +139,10 @@ def selection_table(cells: Mapping[str, Mapping], scores: Sequence[str], keeps: 
                     d = stats.paired_bootstrap(r["correct"], ref["correct"])
                     text += f" ({100 * d[0]:+.0f} [{100 * d[1]:+.0f}, {100 * d[2]:+.0f}])"
                 cols.append(text)
-            first = sel.get(method_name(score, keeps[0]), {})
-            line = "; ".join(f"{sel[method_name(score, k)]['line_kept']:.2f}" for k in keeps
-                             if "line_kept" in sel.get(method_name(score, k), {}))
-            rows.append([c["probe"], c["tokens"], score] + cols + [line or "-",
+            first = sel.get(method_name(score, keeps[0], allocation), {})
+            line = "; ".join(f"{sel[method_name(score, k, allocation)]['line_kept']:.2f}" for k in keeps
+                             if "line_kept" in sel.get(method_name(score, k, allocation), {}))
+            rows.append([c["probe"], c["tokens"], f"{score} ({allocation})"] + cols + [line or "-",
                                                                   f"{first.get('score_per_prefill', float('nan')):.2f}"])
     n = max((r["n"] for c in cells.values() for r in c.get("selection", {}).values()), default=0)
     return "\n".join([
@@ -140,17 +153,19 @@ def selection_table(cells: Mapping[str, Mapping], scores: Sequence[str], keeps: 
         "", markdown_table(header, rows)])
 
 
-def plot_budgets(ax_row, cells: Mapping[str, Mapping], scores: Sequence[str], keeps: Sequence) -> None:
+def plot_budgets(ax_row, cells: Mapping[str, Mapping], scores: Sequence[str], keeps: Sequence,
+                 allocations: Sequence[str] = ()) -> None:
     """Accuracy (95 % Wilson) against the budget, one axis per keyed cell with a selection, one line per
-    score."""
+    score and allocation."""
     keys = sorted((k for k in cells if "selection" in cells[k]), key=lambda k: (cells[k]["probe"], cells[k]["tokens"]))
     for ax, key in zip(ax_row, keys):
         sel = cells[key]["selection"]
-        for score in scores:
-            pts = [(k, sel[method_name(score, k)]) for k in keeps if method_name(score, k) in sel]
+        for score, allocation in ((s, a) for s in scores for a in _allocations(s, allocations)):
+            pts = [(k, sel[method_name(score, k, allocation)]) for k in keeps
+                   if method_name(score, k, allocation) in sel]
             if pts:
                 x = [100 * k for k, _ in pts]
-                ax.plot(x, [r["accuracy"] for _, r in pts], "o-", label=score)
+                ax.plot(x, [r["accuracy"] for _, r in pts], "o-", label=f"{score} ({allocation})")
                 ax.fill_between(x, [r["wilson"][1] for _, r in pts], [r["wilson"][2] for _, r in pts], alpha=0.1)
         ax.set(xscale="log", xlabel="kept % of the context's KV floats", ylabel="accuracy (95 % Wilson)",
                title=f"{cells[key]['probe']} {cells[key]['tokens']} tokens", ylim=(-0.02, 1.02))

@@ -42,7 +42,8 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     assert len(oracle) == 1  # the diagnostic, on the passkey cell only
     assert {c["probe"] for c in report["cells"].values()} == {"passkey", "kv", "antonym k=2"}
     chosen = [m for m in methods if "@" in m]  # the selections (--quick: three scores at one budget)
-    assert chosen == ["reconstruction@0.5", "expected@0.5", "recent@0.5"]
+    assert chosen == ["reconstruction@0.5", "reconstruction:heads@0.5", "expected@0.5", "expected:heads@0.5",
+                      "recent@0.5"]
     for cell in report["cells"].values():
         keyed = cell["probe"] in ("passkey", "kv")
         assert set(cell["methods"]) == (set(methods) - (set() if cell["probe"] == "passkey" else set(oracle))
@@ -61,7 +62,7 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     assert max(windows) <= student < max(windows) + sizes["softmax"] / 288  # the equal window: within a token
     assert sizes[cached[0]] <= student  # the window + cache fits the student's state too
     assert set(report["loss"]) == set(methods) - set(oracle) - set(chosen)
-    assert "Selection at conversion" in report["table"] and "| passkey | 288 | recent |" in report["table"]
+    assert "Selection at conversion" in report["table"] and "| passkey | 288 | recent (uniform) |" in report["table"]
     assert all(math.isfinite(x) for x in json_numbers(report))
     assert (tmp_path / "long_context.png").exists()
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=1800)

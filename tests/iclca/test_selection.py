@@ -154,6 +154,10 @@ def test_global_allocation_gives_heads_unequal_shares_within_the_budget():
     assert (uniform.sum(-1) == 10).all()
     with pytest.raises(linicl.LiniclError, match="fewer than the sinks and the window"):
         selection.allocate(scores, 10, sinks=1, window=2, allocation="global")
+    # Whole heads: the head of highest mean score first, every token of it, then the next one's best.
+    heads = selection.allocate(scores, 6 * 3 + 47 + 10, sinks=1, window=2, allocation="heads")
+    assert heads.sum() == 6 * 3 + 47 + 10 and heads[1, 2].all()
+    assert sorted(heads.sum(-1).reshape(-1).tolist()) == [3, 3, 3, 3, 13, 50]
 
 
 def test_the_budget_counts_every_stored_float(tiny):
@@ -176,6 +180,7 @@ def test_the_budget_counts_every_stored_float(tiny):
     (dict(keep=0), "keep as an int"),
     (dict(keep=0.1, score="kvzip"), "score must be one of"),
     (dict(keep=0.5, score="random", allocation="global"), "allocation='global' ranks"),
+    (dict(keep=0.5, score="recent", allocation="heads"), "allocation='heads' ranks"),
     (dict(keep=0.5, allocation="even"), "allocation must be one of"),
     (dict(keep=0.01), "fewer than the sinks and the window"),
     (dict(keep=0.5, chunk=0), "chunk must be a positive int"),
