@@ -71,8 +71,9 @@ def select_prompt(model, variables, prompt, tokenizer, *, scores: Sequence[str],
     out = dict(answers={}, floats={}, line_kept={}, seconds=seconds)
     for score in scores:
         t0 = time.perf_counter()
+        # The instruction is reconstruction's re-read instruction; snapkv's window stays the prompt's end.
         got = selection.score_prompt(model, variables, ctx, score, chunk=chunk, sinks=sinks,
-                                     instruction=instruction, seed=seed)
+                                     instruction=instruction if score == "reconstruction" else None, seed=seed)
         seconds[score] = time.perf_counter() - t0
         for keep, allocation in ((k, a) for a in _allocations(score, allocations) for k in keeps):
             name = method_name(score, keep, allocation)
