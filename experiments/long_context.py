@@ -180,6 +180,8 @@ def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
     for i, p in enumerate(tqdm(prompts, disable=not args.progress, desc=f"{key} selection", leave=False)):
         name = f"{key} | {setting} | prompt {i}"
         done = prog.get(name)
+        if done is None and args.finished_only:
+            return {}  # an unfinished cell: reported as '-'
         if done is None:
             done = prog.put(name, selected.select_prompt(
                 teacher, tv, p, tok, scores=args.select_scores, keeps=args.select_keeps, sinks=args.select_sinks,
@@ -213,7 +215,7 @@ def tables(report: dict) -> str:
         lines += ["", "State floats per prompt row at the longest prompt evaluated (students: as stored; windows: the KV of "
                       "their sinks and window; softmax: its KV cache): "
                   + ", ".join(f"{m} {sizes[m]:,}" for m in methods if m in sizes)]
-        if report.get("student_budget") not in (None, sizes.get("student")):
+        if "student" in sizes and report.get("student_budget") not in (None, sizes["student"]):
             lines += ["", f"The student must keep {report['student_budget']:,} of its floats: its local layers' exact "
                           f"windows are stored per query head but need one copy per kv head, as the windows' KV is "
                           f"counted; the equal-state window matches that."]
@@ -287,8 +289,10 @@ def main(argv=None) -> int:
             cells[key]["methods"][name] = done
             bar.update()
         if args.select_scores and probe in ("passkey", "kv"):
-            cells[key]["selection"] = select_cell(key, prompts, teacher, tv, tok, prog, args)
-            cells[key]["methods"].update(cells[key]["selection"])
+            chosen = select_cell(key, prompts, teacher, tv, tok, prog, args)
+            if chosen:
+                cells[key]["selection"] = chosen
+                cells[key]["methods"].update(chosen)
         if args.oracle and probe == "passkey":
             name = f"window{student.cfg.window}+oracle"
             done = prog.get(f"{key} | {name}")
