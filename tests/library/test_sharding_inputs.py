@@ -178,3 +178,30 @@ def test_step_shardings_refuses_a_state_not_placed_on_the_mesh(tmp_path):
     assert out["one device"].startswith("step_shardings: state 1 leaf 'w' is laid out by SingleDeviceSharding")
     assert out["other mesh"].startswith("step_shardings: state 1 leaf 'w' is laid out by NamedSharding")
     assert out["placed"] == [["data"], []]  # a placed state keeps its layout; the log comes back whole
+
+
+BATCH_SCRIPT = """
+import json
+import numpy as np
+import jax
+from linicl import parallel
+mesh = parallel.make_mesh(2)  # 4 devices: data 2 x model 2
+x = parallel.shard_batch(np.arange(8.0).reshape(4, 2), mesh)
+rows = sorted({(s.index[0].start, s.index[0].stop) for s in x.addressable_shards})
+print("RESULT " + json.dumps(dict(spec=[list(a) if isinstance(a, tuple) else a for a in x.sharding.spec],
+                                  rows=rows, devices=len(x.addressable_shards))))
+"""
+
+
+def test_shard_batch_splits_the_batch_over_the_data_axis_only(tmp_path):
+    """On a data x model mesh the batch is split over "data" and replicated over "model" (a batch split
+    over every axis gives the same numbers, so only its layout tells; mutant batch-over-model-axis)."""
+    script = tmp_path / "batch4.py"
+    script.write_text(BATCH_SCRIPT)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=str(REPO),
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert out["spec"] == ["data"] and out["devices"] == 4
+    assert out["rows"] == [[0, 2], [2, 4]]  # two data shards of two rows, each held by both model devices
