@@ -247,7 +247,8 @@ def score_prompt(model, variables, prompt, score: str, *, chunk: int = 512, sink
     of ``names.SELECTION_SCORES``; the module docstring says what each is).
 
     Args:
-      model, variables: a causal softmax ``linicl.Transformer`` and its variables (no stored prompt).
+      model: a causal softmax ``linicl.Transformer``.
+      variables: its variables (their ``params`` only are read: no stored prompt applies).
       prompt: ``int[n]`` or ``int[1, n]``.
       chunk: tokens read at once by every pass (memory: ``chunk x cache slots`` weights per head).
       sinks: the first tokens, which "reconstruction" and "expected" leave out of their statistics (as
@@ -256,7 +257,9 @@ def score_prompt(model, variables, prompt, score: str, *, chunk: int = 512, sink
         the ids of "\\n\\nRepeat the previous context exactly."; default none); "snapkv"'s, a fixed
         question-free suffix whose queries are the observation window (default none: the prompt's
         last ``observation`` tokens).
-      seed: "random" only. observation: "snapkv"'s window. future: "expected"'s future positions.
+      seed: "random" only.
+      observation: "snapkv"'s window without ``instruction``.
+      future: "expected"'s future positions.
     Higher is kept first; "recent" scores are the positions, "random" uniform draws.
     """
     cfg = config_of(model)
