@@ -29,6 +29,19 @@ FIXTURES = REPO / "tests" / "fixtures" / "hf"
 DATA_FIXTURE = REPO / "tests" / "fixtures" / "data"
 
 
+def on_host_devices(script: pathlib.Path, n_devices: int, *args: str, timeout: int = 600) -> dict:
+    """Run ``script`` in a fresh interpreter seeing ``n_devices`` CPU devices (the count is fixed when
+    jax starts, so never in this process) and return the JSON of its ``RESULT `` line."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                         cwd=str(REPO), timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, f"{script.name} printed no RESULT line: {run.stdout[-2000:]}"
+    import json
+    return json.loads(line[len("RESULT "):])
+
+
 def missing_tasks(root: pathlib.Path) -> list:
     """The shipped tasks whose files are not all under ``root`` (a folder that may not exist) with the
     sizes their specs give (another version of a file is as good as missing)."""

@@ -4,10 +4,6 @@ with no, repeated or unnamed devices; shapes with a negative size; a mesh that i
 training state that was not placed on the mesh (``step_shardings``). All but the last hold on one
 device; the last needs several, so it runs in a 2-device subprocess (XLA_FLAGS is read at import)."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -18,7 +14,7 @@ import pytest
 import linicl
 from linicl import parallel
 from linicl.errors import LiniclError
-from helpers import REPO
+from helpers import on_host_devices
 
 ONE = jax.devices()[:1]
 
@@ -169,11 +165,7 @@ SCRIPT = textwrap.dedent("""
 def test_step_shardings_refuses_a_state_not_placed_on_the_mesh(tmp_path):
     script = tmp_path / "steps2.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=str(REPO),
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    out = on_host_devices(script, 2, timeout=300)
     assert out["numpy"].startswith("step_shardings: state 1 leaf 'w' is a ndarray, not on this mesh; place it")
     assert out["one device"].startswith("step_shardings: state 1 leaf 'w' is laid out by SingleDeviceSharding")
     assert out["other mesh"].startswith("step_shardings: state 1 leaf 'w' is laid out by NamedSharding")
@@ -198,10 +190,6 @@ def test_shard_batch_splits_the_batch_over_the_data_axis_only(tmp_path):
     over every axis gives the same numbers, so only its layout tells; mutant batch-over-model-axis)."""
     script = tmp_path / "batch4.py"
     script.write_text(BATCH_SCRIPT)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=str(REPO),
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    out = on_host_devices(script, 4, timeout=300)
     assert out["spec"] == ["data"] and out["devices"] == 4
     assert out["rows"] == [[0, 2], [2, 4]]  # two data shards of two rows, each held by both model devices
