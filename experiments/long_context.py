@@ -4,6 +4,8 @@ Every method reads the same prompts of an exact token length (``linicl.data.long
 
 1. **passkey**: a 5-digit key at a uniform depth of natural filler text (AG News test split), asked
    for at the end; right when the greedy answer's first number is the key (``key_answered``).
+   ``--filler classic`` uses the original test's five repeated sentences instead (``lc.classic_filler``),
+   where the key line is the one novel thing in the prompt.
 2. **key-value recall**: ``--pairs`` "The code for <word> is <4 digits>." lines spread through the
    filler, one asked for at the end (MQAR written in words); scored the same way.
 3. **many-shot ICL**: k demonstrations (``--shots``, shared by every query) of word tasks, scored as
@@ -57,7 +59,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import linicl
-from linicl import linearize, reporting
+from linicl import linearize, reporting, selection
 from linicl.compiled import enable_persistent_cache
 from linicl.data import long_context as lc
 from linicl.linearize.baselines import EQUAL, RULE_NAMES, compared_methods, student_budget
@@ -70,7 +72,7 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
                     "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len",
-                    "select_scores", "select_keeps", "select_allocations")
+                    "select_scores", "select_keeps", "select_allocations", "select_question")
 REPEAT = "\n\nRepeat the previous context exactly."  # KVzip's re-read instruction (kvpress's wording)
 
 
@@ -106,11 +108,17 @@ def parse_args(argv=None):
     p.add_argument("--select-allocations", nargs="+", default=[], choices=list(ALLOCATIONS),
                    help="also these allocations of the budget over heads (each score runs with its default: "
                         "'global' for attention scores, 'uniform' for recent and random)")
+    p.add_argument("--select-question", action="store_true",
+                   help=f"also '{selected.QUESTION}': SnapKV observing the real question, the query-aware reference "
+                        "(not a conversion: it reads the query)")
     p.add_argument("--select-sinks", type=reporting.nonnegative_int, default=4, help="sinks every selection keeps")
     p.add_argument("--select-window", type=reporting.nonnegative_int, default=16,
                    help="last context tokens every selection keeps")
     p.add_argument("--methods", nargs="+", default=None,
                    help="evaluate only these methods (names as in the tables; default all)")
+    p.add_argument("--filler", choices=["news", "classic"], default="news",
+                   help="haystack of passkey and codes: 'news' (AG News text, every sentence novel) or 'classic' "
+                        "(the original passkey test's five repeated sentences, the key line the one novel thing)")
     p.add_argument("--loss-seqs", type=reporting.positive_int, default=4)
     p.add_argument("--loss-len", type=reporting.positive_int, default=None,
                    help="tokens per held-out loss sequence (default: the longest --lengths)")
@@ -131,6 +139,7 @@ def parse_args(argv=None):
         args.select_scores = args.select_scores or ["reconstruction", "expected", "recent"]
         args.select_keeps, args.select_sinks, args.select_window = [0.5], 2, 4
         args.select_allocations = args.select_allocations or ["heads"]
+        args.select_question = True
         args.convert_check = 1 if args.convert_check is None else args.convert_check
     return args
 
@@ -169,10 +178,31 @@ def cell_prompts(probe: str, length, tok, filler, args) -> tuple:
     return lc.probe_prompts(probe, tok, filler, length, args.n, seed=seed, n_pairs=args.pairs), f"{probe} {length}"
 
 
+def check_budgets(cfg, args) -> None:
+    """Refuse a --select-keeps budget that cannot hold the sinks and window every selection keeps at
+    one of --lengths, before any cell runs (a prompt's context is a little shorter than its length,
+    so the check is at the length itself: the allocation refuses the borderline rest)."""
+    if not args.select_scores:
+        return
+    heads, forced = len(cfg.global_layers) * cfg.kv_heads, args.select_sinks + args.select_window
+    for length in args.lengths:
+        for keep in args.select_keeps:
+            if selection.token_budget(cfg, length, keep) < heads * forced:
+                raise linicl.LiniclError(
+                    f"--select-keeps {keep:g} holds fewer than {forced} tokens per KV head at {length} tokens, the "
+                    f"--select-sinks + --select-window every selection keeps; raise it or lower those")
+
+
+def select_scores(settings: dict) -> list:
+    """The selection methods' scores as the tables name them: --select-scores, then the query-aware
+    reference with --select-question."""
+    return list(settings["select_scores"]) + ([selected.QUESTION] if settings.get("select_question") else [])
+
+
 def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
     """The selection methods on one keyed cell: one record per prompt (resumable), then a row per
     ``<score>@<keep>``."""
-    setting = f"select {','.join(args.select_scores)} keep {','.join(f'{k:g}' for k in args.select_keeps)} " \
+    setting = f"select {','.join(select_scores(vars(args)))} keep {','.join(f'{k:g}' for k in args.select_keeps)} " \
               f"sinks {args.select_sinks} window {args.select_window}" + \
               (f" allocations {','.join(args.select_allocations)}" if args.select_allocations else "")
     instruction = tok.encode(REPEAT, add_bos=False)
@@ -186,7 +216,8 @@ def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
             done = prog.put(name, selected.select_prompt(
                 teacher, tv, p, tok, scores=args.select_scores, keeps=args.select_keeps, sinks=args.select_sinks,
                 window=args.select_window, instruction=instruction, seed=args.seed,
-                span=lc.key_line(p) if key.startswith("passkey") else None, allocations=args.select_allocations))
+                span=lc.key_line(p) if key.startswith("passkey") else None, allocations=args.select_allocations,
+                question_aware=args.select_question))
         records.append(done)
     return selected.selected_rows(records, prompts, keyed=True)
 
@@ -194,7 +225,8 @@ def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
 # ------------------------------------------------------------------------------------ tables
 def tables(report: dict) -> str:
     methods = [m for m in report["methods"] if "@" not in m]  # the selections have a table of their own
-    lines = [f"Long prompts ({os.path.basename(str(report['model']))}); accuracy % [95 % Wilson], n per cell "
+    filler = report["settings"].get("filler", "news")
+    lines = [f"Long prompts ({os.path.basename(str(report['model']))}, {filler} filler); accuracy % [95 % Wilson], n per cell "
              "(passkey and codes: the greedy answer's first number is the key; word tasks: exact match).", ""]
     cells = report["cells"]
     header = ["probe", "tokens"] + methods
@@ -208,7 +240,7 @@ def tables(report: dict) -> str:
     lines.append(reporting.markdown_table(header, rows))
     if any("selection" in c for c in cells.values()):
         settings = report["settings"]
-        lines += ["", selected.selection_table(cells, settings["select_scores"], settings["select_keeps"],
+        lines += ["", selected.selection_table(cells, select_scores(settings), settings["select_keeps"],
                                               settings.get("select_allocations", []))]
     sizes = report.get("state_floats", {})
     if sizes:
@@ -242,7 +274,7 @@ def figure(plt, report: dict):
     axes = grid[0]
     if chosen:
         settings = report["settings"]
-        selected.plot_budgets(grid[1], report["cells"], settings["select_scores"], settings["select_keeps"],
+        selected.plot_budgets(grid[1], report["cells"], select_scores(settings), settings["select_keeps"],
                               settings.get("select_allocations", []))
     for ax, probe in zip(axes, probes):
         cs = sorted((c for c in report["cells"].values() if c["probe"] == probe), key=lambda c: c["tokens"])
@@ -265,11 +297,15 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     teacher, tv, tok, student, sv = load_models(args)
+    check_budgets(teacher.cfg, args)
     longest = max(args.lengths + [args.loss_len or 0])
-    filler = lc.filler_stream(tok, seed=args.seed, min_tokens=longest + 1, data_dir=args.data_dir)
+    filler = (lc.classic_filler(tok, min_tokens=longest + 1) if args.filler == "classic" else
+              lc.filler_stream(tok, seed=args.seed, min_tokens=longest + 1, data_dir=args.data_dir))
     ms = methods(teacher, tv, student, sv, args)
+    # The news filler was the only one before --filler: runs made then resume under it.
+    settings = {k: v for k, v in vars(args).items() if not (k == "filler" and v == "news")}
     prog = reporting.Progress(os.path.join(args.out, "progress.json"),
-                              reporting.fingerprint(vars(args), ignore=PROGRESS_IGNORES), args.resume)
+                              reporting.fingerprint(settings, ignore=PROGRESS_IGNORES), args.resume)
     todo = [(probe, L) for probe in ("passkey", "kv") if probe in args.probes for L in args.lengths]
     todo += [(f"{t} k={k}", None) for t in args.shot_tasks for k in args.shots if "shots" in args.probes]
     bar = tqdm(total=len(todo) * len(ms), disable=not args.progress, desc="cells")

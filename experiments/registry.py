@@ -284,6 +284,18 @@ EXPERIMENTS = {
         reference="KVzip (arXiv 2505.23416): needle retrieval 100 % at 10 % of the KV on 7-8B models; Expected "
                   "Attention (arXiv 2510.00636); SnapKV without the question and H2O fail there "
                   "(compression.md; their figures, not re-measured)."),
+    "long_context_classic": dict(
+        title="Long prompts kept by selection at conversion, the original passkey haystack (repeated sentences)",
+        cmd=["experiments/long_context.py", "--resume", "--filler", "classic"], quick=["--quick"],
+        full=["--lengths", "1024", "2048", "--n", "28", "--probes", "passkey", "--methods", "softmax",
+              "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
+              "--select-keeps", "0.02", "0.05", "0.1", "--convert-check", "0"],
+        json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
+        note="the same selections as long_context_selection on the haystack of the original passkey test "
+             "(Mohtashami & Jaggi: 'The grass is green. The sky is blue. ...' repeated), where the key line is "
+             "the only text that occurs once; long_context_selection's AG News haystack is novel everywhere.",
+        reference="KVzip (arXiv 2505.23416): needle retrieval 100 % at 10 % of the KV on 7-8B models "
+                  "(compression.md; their figures, not re-measured)."),
     "long_context_gemma3": dict(
         title="Long prompts on Gemma 3 270M: passkey and 128-shot ICL past the 512-token local windows",
         cmd=["experiments/long_context.py", "--model", "gemma3", "--maps",
@@ -293,7 +305,8 @@ EXPERIMENTS = {
         json="long_context.json", plots=["long_context.png"],
         note="the student is the shipped linearized Gemma 3 (maps on the 3 global layers; the 15 local layers "
              "keep their exact 512-key windows). Its equal-state window counts the local windows once per kv "
-             "head, as the windows' KV is counted (the zoo stores them per query head: decode_memory).",
+             "head, as the windows' KV is counted and as the zoo stores their keys and values (not the empty linear "
+             "part it stores beside them per query head: decode_memory).",
         reference="No paper reports Gemma 3 270M on long prompts; LoLA (arXiv 2505.23666) and the 2026 study "
                   "(arXiv 2608.28444) report passkey for linearized Llama models (linearization.md section 7)."),
     "eval_speed": dict(

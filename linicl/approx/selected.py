@@ -25,7 +25,11 @@ from linicl.evaluate import greedy_answers, normalise_answer
 from linicl.names import ALLOCATIONS, POSITIONLESS_SCORES, SELECTION_SCORES
 from linicl.reporting import markdown_table
 
-__all__ = ["method_name", "select_prompt", "selected_rows", "selection_table", "plot_budgets"]
+__all__ = ["QUESTION", "method_name", "select_prompt", "selected_rows", "selection_table", "plot_budgets"]
+
+# SnapKV observing the real question (its original, query-aware form): a reference for what attention
+# can select when the query is known. Not a conversion: a converted prompt never sees its later query.
+QUESTION = "snapkv+question"
 
 
 def method_name(score: str, keep, allocation: Optional[str] = None) -> str:
@@ -53,12 +57,15 @@ def _check(scores: Sequence[str], keeps: Sequence) -> None:
 
 def select_prompt(model, variables, prompt, tokenizer, *, scores: Sequence[str], keeps: Sequence,
                   sinks: int = 4, window: int = 16, instruction=None, max_new: int = 8, chunk: int = 512,
-                  seed: int = 0, span: Optional[tuple] = None, allocations: Sequence[str] = ()) -> dict:
+                  seed: int = 0, span: Optional[tuple] = None, allocations: Sequence[str] = (),
+                  question_aware: bool = False) -> dict:
     """One ``linicl.data.Prompt`` under every (score, budget): ``dict(answers={method: answer},
     floats={method: kept floats}, line_kept={method: share} (with ``span``, e.g. a passkey prompt's
     ``long_context.key_line``: the share of that span's (layer, KV head, token) entries kept),
     seconds={"prefill": the whole conversion, score: its selection pass})``. Each score runs with its
-    default allocation and each of ``allocations`` that applies to it (``method_name``)."""
+    default allocation and each of ``allocations`` that applies to it (``method_name``). With
+    ``question_aware``, also ``QUESTION``: SnapKV whose observation window is the prompt's own question
+    (the query-aware reference; it reads the query a conversion may not)."""
     if any(a not in ALLOCATIONS for a in allocations):
         raise LiniclError(f"allocations must be names of {ALLOCATIONS}, got {list(allocations)}")
     _check(scores, keeps)
@@ -69,11 +76,13 @@ def select_prompt(model, variables, prompt, tokenizer, *, scores: Sequence[str],
     whole = iclca.convert_approx(model, variables, jnp.asarray(ctx)[None], "none", sinks=n, window=0)
     seconds = {"prefill": time.perf_counter() - t0}
     out = dict(answers={}, floats={}, line_kept={}, seconds=seconds)
-    for score in scores:
+    for score in list(scores) + ([QUESTION] if question_aware else []):
         t0 = time.perf_counter()
-        # The instruction is reconstruction's re-read instruction; snapkv's window stays the prompt's end.
-        got = selection.score_prompt(model, variables, ctx, score, chunk=chunk, sinks=sinks,
-                                     instruction=instruction if score == "reconstruction" else None, seed=seed)
+        # The instruction is reconstruction's re-read instruction; snapkv's window stays the prompt's end
+        # unless it is the query-aware reference, which observes the question itself.
+        extra = {"reconstruction": instruction, QUESTION: question}.get(score)
+        got = selection.score_prompt(model, variables, ctx, "snapkv" if score == QUESTION else score, chunk=chunk,
+                                     sinks=sinks, instruction=extra, seed=seed)
         seconds[score] = time.perf_counter() - t0
         for keep, allocation in ((k, a) for a in _allocations(score, allocations) for k in keeps):
             name = method_name(score, keep, allocation)

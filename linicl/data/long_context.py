@@ -77,6 +77,23 @@ def filler_stream(tokenizer: TextEncoder, *, task: str = "agnews", split: str = 
     return ids
 
 
+# The passkey test's original filler (Mohtashami & Jaggi, arXiv 2305.16300): five sentences repeated, so
+# that the key line is the one novel thing in the prompt.
+CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def classic_filler(tokenizer: TextEncoder, *, min_tokens: int = 0) -> np.ndarray:
+    """``int32[N]``: ``CLASSIC_FILLER`` repeated and tokenized, at least ``min_tokens`` tokens (plus one
+    repetition, so a prompt's filler window may start anywhere). The easy haystack of the original
+    passkey test: every filler sentence occurs many times, the key line once. ``filler_stream`` is the
+    hard one (natural text, every sentence novel)."""
+    min_tokens = _check_int("classic_filler", "min_tokens", min_tokens, 0)
+    once = len(_encode(tokenizer, CLASSIC_FILLER))
+    if once == 0:
+        raise LiniclError("classic_filler: the tokenizer encodes the filler sentence to no tokens")
+    return np.asarray(_encode(tokenizer, CLASSIC_FILLER * (min_tokens // once + 2)), np.int32)
+
+
 def _check_int(what: str, name: str, value, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
     """``value`` as an int in [lo, hi] (None: no bound). NumPy ints are accepted; a bool (True would
     count as 1) and a float (which slicing and ``range`` would refuse or truncate) are not."""
@@ -301,7 +318,7 @@ def key_line(prompt: Prompt) -> tuple:
     return int(start), int(where[-1]) + 1
 
 
-__all__ = ["key_answered", "filler_stream", "passkey_prompt", "passkey_prompts", "kv_recall_prompt", "kv_recall_prompts",
+__all__ = ["key_answered", "filler_stream", "classic_filler", "CLASSIC_FILLER", "passkey_prompt", "passkey_prompts", "kv_recall_prompt", "kv_recall_prompts",
            "probe_prompts", "many_shot_prompts", "filler_windows", "key_line",
            "PASSKEY_INSTRUCTION", "PASSKEY_LINE", "PASSKEY_QUESTION", "KV_INSTRUCTION", "KV_LINE", "KV_QUESTION",
            "KV_NAMES", "MAX_DIGITS"]

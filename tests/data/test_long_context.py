@@ -170,3 +170,21 @@ def test_numpy_ints_and_int_depths_are_taken():
     assert np.array_equal(lc.passkey_prompt(TOK, FILLER, 500, "12345", 1).tokens,
                           lc.passkey_prompt(TOK, FILLER, 500, "12345", 1.0).tokens)
     assert len(lc.kv_recall_prompts(TOK, FILLER, 500, np.int64(1), n_pairs=np.int64(2), digits=np.int64(3))) == 1
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 1000, 4097])
+def test_classic_filler_repeats_the_original_sentences_and_holds_enough_tokens(min_tokens):
+    ids = lc.classic_filler(TOK, min_tokens=min_tokens)
+    assert ids.dtype == np.int32 and ids.ndim == 1 and len(ids) >= min_tokens + len(lc.CLASSIC_FILLER)
+    text = TOK.decode(ids)
+    assert text.replace(lc.CLASSIC_FILLER, "") == ""  # only whole repetitions of the five sentences
+    # a passkey prompt over it: the key line is the only text that is not the filler's
+    p = lc.passkey_prompt(TOK, lc.classic_filler(TOK, min_tokens=700), 700, "12345", 0.5)
+    a, b = lc.key_line(p)
+    assert "12345" in TOK.decode(p.tokens[a:b]) and "12345" not in TOK.decode(ids)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, True, "10"])
+def test_classic_filler_refuses_a_bad_min_tokens(bad):
+    with pytest.raises(LiniclError, match="min_tokens"):
+        lc.classic_filler(TOK, min_tokens=bad)

@@ -3,12 +3,15 @@ data sample: every probe and method, converted = prompted, complete JSON, a plot
 the cells. The library parts (the equal-state window, the scoring) are tested in
 tests/linearize/test_long_prompts.py."""
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 
 import pytest
+
+import linicl
 
 from helpers import REPO, json_numbers
 
@@ -18,7 +21,7 @@ SCRIPT = REPO / "experiments" / "long_context.py"
 def test_help():
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--quick", "--lengths", "--caches", "--cache-rules", "--window-caches", "--windows",
-                 "--convert-check", "--resume", "--seed"):
+                 "--convert-check", "--resume", "--seed", "--filler", "--select-question"):
         assert flag in out
 
 
@@ -43,7 +46,7 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     assert {c["probe"] for c in report["cells"].values()} == {"passkey", "kv", "antonym k=2"}
     chosen = [m for m in methods if "@" in m]  # the selections (--quick: three scores at one budget)
     assert chosen == ["reconstruction@0.5", "reconstruction:heads@0.5", "expected@0.5", "expected:heads@0.5",
-                      "recent@0.5"]
+                      "recent@0.5", "snapkv+question@0.5", "snapkv+question:heads@0.5"]  # the query-aware reference
     for cell in report["cells"].values():
         keyed = cell["probe"] in ("passkey", "kv")
         assert set(cell["methods"]) == (set(methods) - (set() if cell["probe"] == "passkey" else set(oracle))
@@ -69,3 +72,17 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = json.loads((tmp_path / "long_context.json").read_text())
     assert resumed["resumed"] and resumed["cells"] == report["cells"] and resumed["wall_s"] < report["wall_s"]
+
+
+def test_a_budget_too_small_for_the_kept_sinks_and_window_is_refused_before_any_cell():
+    # 1 % of a 1,024-token prompt is about 10 tokens per KV head, fewer than 4 sinks + a 16-token window:
+    # refused up front (a run once scored every prompt of its first cell before the allocation refused it).
+    spec = importlib.util.spec_from_file_location("long_context_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cfg = linicl.preset("tiny-softmax-rope", n_kv_heads=2)
+    args = script.parse_args(["--lengths", "1024", "--select-scores", "recent", "--select-keeps", "0.05", "0.01"])
+    with pytest.raises(linicl.LiniclError, match=r"--select-keeps 0.01 holds fewer than 20 tokens per KV head"):
+        script.check_budgets(cfg, args)
+    script.check_budgets(cfg, script.parse_args(["--lengths", "1024", "--select-scores", "recent",
+                                                 "--select-keeps", "0.05"]))
