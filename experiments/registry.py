@@ -322,6 +322,14 @@ EXPERIMENTS = {
         reference="No paper; issue 29's device script (<= 8 min on one accelerator). Runs on a lent GPU, not here: "
                   "`--write-pack .pack` here, then `--pack .pack` there (see the script's docstring); its JSON "
                   "is committed in experiments/benchmarks/device_runs/."),
+    "selection_vs_kvpress": dict(
+        title="Benchmark: conversion-time selection against NVIDIA's kvpress (same prompt, same CPU, one run)",
+        cmd=["experiments/benchmarks/selection_vs_kvpress.py"], quick=["--quick"], json="selection_vs_kvpress.json",
+        note="kvpress times come from a torch environment (--torch-python; tests/fixtures/hf/make_kvpress_reference.py "
+             "describes it); without one the kvpress side is skipped and the table says so. Scores and kept "
+             "positions agree with kvpress's presses where the definitions coincide "
+             "(tests/iclca/test_kvpress_parity.py; its docstring lists the differences).",
+        reference="kvpress 0.5.5 on HF transformers 5.2 (torch 2.13 CPU), measured in the same run."),
     "lm_speed": dict(
         title="Benchmark: GPT-2-small-sized forward and SmolLM2",
         cmd=["experiments/benchmarks/lm_speed.py"], quick=["--quick"], json="lm_speed.json",
