@@ -248,9 +248,9 @@ def tables(report: dict) -> str:
                       "their sinks and window; softmax: its KV cache): "
                   + ", ".join(f"{m} {sizes[m]:,}" for m in methods if m in sizes)]
         if "student" in sizes and report.get("student_budget") not in (None, sizes["student"]):
-            lines += ["", f"The student must keep {report['student_budget']:,} of its floats: its local layers' exact "
-                          f"windows are stored per query head but need one copy per kv head, as the windows' KV is "
-                          f"counted; the equal-state window matches that."]
+            lines += ["", f"The student must keep {report['student_budget']:,} of its floats: its local layers also "
+                          f"store an empty linear part (a zero state and feature slots per query head), which a "
+                          f"window need not keep; the equal-state window matches the rest."]
     conv = [(key, m, r["converted"]) for key, c in cells.items() for m, r in c["methods"].items() if "converted" in r]
     if conv:
         worst = max(x["max_rel_err"] for _, _, x in conv)

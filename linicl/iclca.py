@@ -97,7 +97,8 @@ def convert(model, variables: Variables, prompt=None, *, embeds=None) -> dict:
     Returns:
       A new variables dict: ``variables`` with the ``"prompt_state"`` collection holding, per layer
       ``layers_l/attn``, ``S: [batch, heads, d_phi, d_head]`` and ``z: [batch, heads, d_phi]`` (with
-      a window or sinks also the buffers of ``kernels.hybrid_attention.HybridState``; with
+      a window or sinks also the buffers of ``kernels.hybrid_attention.HybridState``, keys and values
+      ``[batch, kv_heads, ., d_head]``; with
       ``update="delta"`` ``S`` alone; with ``short_conv`` = K also ``conv_q``, ``conv_k``, ``conv_v``
       ``[batch, K - 1, heads or kv_heads, d_head]``, the convolution's last inputs), and
       ``"position"`` holding the query's first position ``offset`` (``ModelConfig.keeps_offset``:
@@ -266,25 +267,28 @@ def bias_terms(variables: Variables) -> list[tuple[jax.Array, jax.Array]]:
 
 def state_floats(cfg: ModelConfig) -> int:
     """Floats stored per prompt (batch 1), independent of the prompt length, summed over the layers
-    (a local layer, ``ModelConfig.layer_config``, is a window-only hybrid). Per layer: H * (d_phi * d_v
-    + d_phi) (gated or not; the delta rule keeps no z: H * d_phi * d_v), plus, with a window or sinks,
-    per buffered token its key, two feature vectors and value ((window - 1) * (d + 2 d_phi + d_v)) and
-    per sink its key and value (sinks * (d + d_v)), and per cache slot what a buffered token holds
-    (cache * (d + 2 d_phi + d_v)), and with ``cache_rule="attention"`` a score per buffered and cached
-    token. With a short convolution of K taps, (K - 1) * (heads + 2 kv_heads) * d_head (its last
-    inputs of q, k, v). The buffers' int32 positions are not counted."""
+    (a local layer, ``ModelConfig.layer_config``, is a window-only hybrid): the sizes of the arrays
+    ``convert`` stores. Per layer, with H query heads, G = kv_heads key/value heads and W' = window - 1:
+    H * (d_phi * d_v + d_phi) (gated or not; the delta rule keeps no z: H * d_phi * d_v), plus, with a
+    window or sinks, per buffered and per cached token two feature vectors per query head
+    (H * (W' + cache) * 2 d_phi) and its key and value per key/value head (G * (W' + cache) * (d + d_v)),
+    per sink its key and value per key/value head (G * sinks * (d + d_v)), and with
+    ``cache_rule="attention"`` a score per buffered and cached token and key/value head. With a short
+    convolution of K taps, (K - 1) * (heads + 2 kv_heads) * d_head (its last inputs of q, k, v). The
+    buffers' int32 positions are not counted."""
     return sum(_layer_state_floats(cfg.layer_config(layer)) for layer in range(cfg.n_layers))
 
 
 def _layer_state_floats(cfg: ModelConfig) -> int:
-    F, d = cfg.feature_dim, cfg.head_dim
-    per_head = F * d + (0 if cfg.update == "delta" else F)
+    F, d, H, G = cfg.feature_dim, cfg.head_dim, cfg.n_heads, cfg.kv_heads
+    floats = H * (F * d + (0 if cfg.update == "delta" else F))
     if cfg.hybrid:
-        per_head += (max(cfg.window - 1, 0) + cfg.cache) * (d + 2 * F + d) + cfg.sinks * (d + d)
+        tokens = max(cfg.window - 1, 0) + cfg.cache  # buffered and cached: features, key and value
+        floats += H * tokens * 2 * F + G * (tokens + cfg.sinks) * (d + d)
         if cfg.cache and cfg.cache_rule == "attention":
-            per_head += max(cfg.window - 1, 0) + cfg.cache
+            floats += G * tokens
     conv = max(cfg.short_conv - 1, 0) * (cfg.n_heads + 2 * cfg.kv_heads) * d
-    return cfg.n_heads * per_head + conv
+    return floats + conv
 
 
 # ------------------------------------------------------------------------------ approximate (softmax)

@@ -57,7 +57,8 @@ AXIS = DATA_AXIS  # the batch axis's name (kept for callers of the data-only mes
 # Tensor parallelism: (pattern on the array's path "collection/scope/.../name", the axis split over
 # "model"). Heads for attention (q/k/v kernels are [d_model, heads, d_head], o's [heads, d_head, d_model];
 # the gates, feature maps and trainable bias are per head), hidden columns for the MLP, the vocabulary for
-# the embeddings, the head axis of a converted prompt state ([batch, heads, ...]). First match wins.
+# the embeddings, the head axis of a converted prompt state ([batch, heads, ...]; a hybrid's stored keys and
+# values, [batch, kv_heads, ...], split only where the model axis divides kv_heads). First match wins.
 TENSOR_RULES = (
     (r"attn/(q|k|v|gate_proj|beta_proj)/kernel$", 1),
     (r"attn/(q|k|v|gate_proj|beta_proj)/bias$", 0),

@@ -8,9 +8,10 @@ the floats of its decode state are counted (``linicl.memory``'s convention: floa
 the number of keys it holds; a local layer's count must be the same at both lengths (its window of
 ``sliding_window - 1`` keys: bounded), a global layer's is its ``max_len`` cache. The totals are set
 beside ``linicl.memory.kv_cache_floats`` (a KV cache of exactly the tokens seen, keys shared by
-grouped-query heads), the least the local layers need (each kv head's window of keys and values; the
-zoo's window keeps one per query head, so grouped-query models hold more) and the same model with
-every layer global. The peak resident memory of the process is recorded too.
+grouped-query heads), the least the local layers need (each kv head's window of keys and values, which
+is how the zoo's window stores them; it also keeps the empty linear part of the window-only hybrid,
+a zero state and feature slots per query head) and the same model with every layer global. The peak
+resident memory of the process is recorded too.
 
     python experiments/benchmarks/decode_memory.py --quick      # the tiny Gemma 3 fixture, 64 tokens
     python experiments/benchmarks/decode_memory.py              # Gemma 3 270M at 8,192 tokens
@@ -118,8 +119,8 @@ def table(r: dict) -> str:
         f"  total {m(r['total_floats'])}; a KV cache of the tokens seen {m(r['kv_cache_floats'])}; "
         f"every layer global {m(r['all_global_kv_floats'])}",
         f"  the local layers' minimum, each kv head's window of keys and values: {m(r['local_kv_floats'])}",
-        f"  (they hold {r['local_floats'] / r['local_kv_floats']:.1f}x that: the window keeps every query head's key "
-        f"and value, and feature slots)",
+        f"  (they hold {r['local_floats'] / r['local_kv_floats']:.2f}x that: the window's keys and values per kv "
+        f"head, and per query head its feature slots and the empty linear state)",
         f"  peak resident memory {r['peak_rss_mib']:.0f} MiB", "```"])
 
 

@@ -14,10 +14,13 @@ positions of its tokens, and the state remembers those of the keys it holds.
 
 The state (``HybridState``), all bounded: (S, z) of the non-sink tokens that have left the window, the
 window's last ``window - 1`` tokens (rotated key, features, value, position) and the sinks' keys,
-values and positions. Empty slots have position -1 (shapes are static). The window buffer holds the
-last tokens read, sinks included; a buffered token at a position < sinks is skipped (the sink buffer
-counts it). A token leaving the buffer enters (S, z) unless it is a sink. S holds
-sum gamma^(t_last - i) f_i v_i^T up to the last position read, like ``linear_attention``'s state.
+values and positions. Keys and values are stored once per key/value head (grouped-query attention
+shares them among a group of query heads); features and (S, z) once per query head, because a feature
+map may have per-query-head parameters (hedgehog's key map, applied to the repeated keys). Empty
+slots have position -1 (shapes are static). The window buffer holds the last tokens read, sinks
+included; a buffered token at a position < sinks is skipped (the sink buffer counts it). A token
+leaving the buffer enters (S, z) unless it is a sink. S holds sum gamma^(t_last - i) f_i v_i^T up to
+the last position read, like ``linear_attention``'s state.
 
 Every form returns the outputs and the final state; they agree to rounding:
 
@@ -25,10 +28,14 @@ Every form returns the outputs and the final state; they agree to rounding:
 * ``chunked``: ``parallel`` inside chunks, a ``lax.scan`` of the state across them;
 * ``recurrent``: a ``lax.scan`` over tokens (the decode form), pushing and popping the buffers.
 
-Shapes: q, k: ``f[batch, heads, seq, d]``; fq, fk (and fq_den, fk_den): ``f[batch, heads, seq, F]``;
-v: ``f[batch, heads, seq, d_v]``; positions: ``int[seq]`` (consecutive); gate, log_gamma: ``f[heads]``.
-The kernel needs an exact part (window >= 1 or sinks >= 1): every query then has at least one exact
-key (itself, or the sinks before it).
+Shapes, with H = heads (query heads) and G = kv_heads (key/value heads; G divides H and query head h
+reads key/value head h // (H // G), the HF ``repeat_kv`` order; G = H is plain multi-head attention):
+q: ``f[batch, heads, seq, d]``; k: ``f[batch, kv_heads, seq, d]``; v: ``f[batch, kv_heads, seq, d_v]``;
+fq, fk (and fq_den, fk_den): ``f[batch, heads, seq, F]``; positions: ``int[seq]`` (consecutive); gate,
+log_gamma: ``f[heads]``. Values are repeated to the query heads inside the kernel where they meet
+per-query-head weights (the outputs, (S, z)); only the G-head copies are stored. The kernel needs
+an exact part (window >= 1 or sinks >= 1): every query then has at least one exact key (itself, or
+the sinks before it).
 """
 
 from __future__ import annotations
@@ -39,32 +46,64 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from linicl.errors import LiniclError
+from linicl.kernels.softmax_attention import repeat_kv
 from linicl.names import FORMS
 
 
 class HybridState(NamedTuple):
-    """The state of a hybrid layer (W' = max(window - 1, 0) buffered tokens, s = sinks)."""
+    """The state of a hybrid layer (W' = max(window - 1, 0) buffered tokens, s = sinks). Keys and
+    values have the key/value heads, everything else the query heads (module docstring)."""
 
     S: jax.Array        # f[batch, heads, F, d_v]: linear part, sum gamma^(t-i) phi(k_i) v_i^T
     z: jax.Array        # f[batch, heads, F]: sum gamma^(t-i) phi~(k_i)
-    win_k: jax.Array    # f[batch, heads, W', d]: rotated keys of the last W' tokens
+    win_k: jax.Array    # f[batch, kv_heads, W', d]: rotated keys of the last W' tokens
     win_fk: jax.Array   # f[batch, heads, W', F]: their numerator features
     win_fkd: jax.Array  # f[batch, heads, W', F]: their denominator features
-    win_v: jax.Array    # f[batch, heads, W', d_v]
+    win_v: jax.Array    # f[batch, kv_heads, W', d_v]
     win_pos: jax.Array  # int32[W']: their positions, -1 for an empty slot (oldest first)
-    sink_k: jax.Array   # f[batch, heads, s, d]
-    sink_v: jax.Array   # f[batch, heads, s, d_v]
+    sink_k: jax.Array   # f[batch, kv_heads, s, d]
+    sink_v: jax.Array   # f[batch, kv_heads, s, d_v]
     sink_pos: jax.Array  # int32[s]: slot j holds position j once read, else -1
 
 
 def empty_state(batch: int, heads: int, d: int, d_phi: int, d_v: int, window: int, sinks: int,
-                dtype) -> HybridState:
-    """The state before any token: zeros, every slot empty."""
+                dtype, kv_heads: Optional[int] = None) -> HybridState:
+    """The state before any token: zeros, every slot empty; keys and values for ``kv_heads`` heads
+    (default ``heads``), which must divide ``heads``."""
+    G = check_kv_heads("empty_state", heads, heads if kv_heads is None else kv_heads)
     w = max(window - 1, 0)
     z = lambda *s: jnp.zeros((batch, heads) + s, dtype)  # noqa: E731
-    return HybridState(z(d_phi, d_v), z(d_phi), z(w, d), z(w, d_phi), z(w, d_phi), z(w, d_v),
-                       jnp.full((w,), -1, jnp.int32), z(sinks, d), z(sinks, d_v),
+    kv = lambda *s: jnp.zeros((batch, G) + s, dtype)  # noqa: E731
+    return HybridState(z(d_phi, d_v), z(d_phi), kv(w, d), z(w, d_phi), z(w, d_phi), kv(w, d_v),
+                       jnp.full((w,), -1, jnp.int32), kv(sinks, d), kv(sinks, d_v),
                        jnp.full((sinks,), -1, jnp.int32))
+
+
+def check_kv_heads(fn: str, heads: int, kv_heads, what: str = "kv_heads") -> int:
+    """``kv_heads`` if it is an int >= 1 dividing ``heads``, else a LiniclError naming ``what``."""
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise LiniclError(f"{fn}: {what} must divide the {heads} query heads (grouped-query attention: "
+                          f"query head h reads key/value head h // (heads // kv_heads)), got {kv_heads!r}")
+    return kv_heads
+
+
+def check_heads(fn: str, q, k, v, state) -> int:
+    """The key/value heads G of ``k``, ``v`` (and the state's stored keys and values), checked against
+    the query heads of ``q`` and the state. Returns G."""
+    H = q.shape[1]
+    G = check_kv_heads(fn, H, int(k.shape[1]), f"k's heads (k{tuple(k.shape)}, q{tuple(q.shape)})")
+    if v.shape[1] != G:
+        raise LiniclError(f"{fn}: v must have k's {G} key/value heads, got v{tuple(v.shape)}")
+    for name in ("win_k", "win_v", "sink_k", "sink_v"):
+        a = getattr(state, name)
+        if a.shape[1] != G:
+            raise LiniclError(f"{fn}: the state's {name}{tuple(a.shape)} holds {a.shape[1]} key/value heads, "
+                              f"but k has {G} (k{tuple(k.shape)}); make the state with kv_heads={G}")
+    if state.S.shape[1] != H:
+        raise LiniclError(f"{fn}: the state's S{tuple(state.S.shape)} holds {state.S.shape[1]} heads, but q has "
+                          f"{H} (q{tuple(q.shape)})")
+    return G
 
 
 def _decay(log_gamma: Optional[jax.Array], age: jax.Array, valid: jax.Array, dtype) -> jax.Array:
@@ -97,6 +136,8 @@ def _sink_update(sink, pos_sink, x, positions):
 def parallel(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: int, sinks: int,
              fq_den=None, fk_den=None, log_gamma=None, eps: float = 0.0):
     """Quadratic masked form. Returns ``(o: f[batch, heads, seq, d_v], final_state)``."""
+    check_heads("hybrid_attention", q, k, v, state)
+    H = q.shape[1]
     fq_den = fq if fq_den is None else fq_den
     fk_den = fk if fk_den is None else fk_den
     T, w = q.shape[2], state.win_pos.shape[0]
@@ -115,7 +156,9 @@ def parallel(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: in
     s_exact = jnp.broadcast_to(state.sink_pos[None, :] >= 0, s_age.shape)
 
     dt = v.dtype
-    ex = _exact_weights(q, jnp.concatenate([state.sink_k, c_k], 2),
+    # Keys and values per query head, for this call's sums only (the state keeps the G-head copies).
+    c_vh = repeat_kv(c_v, H)
+    ex = _exact_weights(q, repeat_kv(jnp.concatenate([state.sink_k, c_k], 2), H),
                         jnp.concatenate([s_exact, exact], 1), gate,
                         jnp.concatenate([_decay(log_gamma, s_age, s_exact, dt),
                                          _decay(log_gamma, age, exact, dt)], -1)[None])
@@ -123,8 +166,8 @@ def parallel(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: in
     A = jnp.einsum("bhtf,bhsf->bhts", fq, c_fk) * D_lin
     A_den = jnp.einsum("bhtf,bhsf->bhts", fq_den, c_fkd) * D_lin
     g_in = _decay(log_gamma, jnp.arange(1, T + 1), jnp.ones((T,), bool), dt)  # the state's age
-    num = (jnp.einsum("bhts,bhsd->bhtd", ex, jnp.concatenate([state.sink_v, c_v], 2))
-           + jnp.einsum("bhts,bhsd->bhtd", A, c_v)
+    num = (jnp.einsum("bhts,bhsd->bhtd", ex, jnp.concatenate([repeat_kv(state.sink_v, H), c_vh], 2))
+           + jnp.einsum("bhts,bhsd->bhtd", A, c_vh)
            + jnp.einsum("bhtf,bhfd->bhtd", fq, state.S) * g_in[None, :, :, None])
     den = (ex.sum(-1) + A_den.sum(-1)
            + jnp.einsum("bhtf,bhf->bht", fq_den, state.z) * g_in[None])
@@ -136,7 +179,7 @@ def parallel(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: in
     g_out = _decay(log_gamma, t_last - leave_pos, enters, dt)  # [heads or 1, T]
     g_T = _decay(log_gamma, jnp.asarray(T), jnp.asarray(True), dt)
     S = state.S * g_T[None, :, None, None] + jnp.einsum(
-        "bhsf,bhsd->bhfd", c_fk[:, :, :T] * g_out[None, :, :, None], c_v[:, :, :T])
+        "bhsf,bhsd->bhfd", c_fk[:, :, :T] * g_out[None, :, :, None], c_vh[:, :, :T])
     z = state.z * g_T[None, :, None] + (c_fkd[:, :, :T] * g_out[None, :, :, None]).sum(2)
     sink_k, sink_pos = _sink_update(state.sink_k, state.sink_pos, k, t)
     sink_v, _ = _sink_update(state.sink_v, state.sink_pos, v, t)
@@ -148,6 +191,8 @@ def parallel(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: in
 def recurrent(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: int, sinks: int,
               fq_den=None, fk_den=None, log_gamma=None, eps: float = 0.0):
     """Token-by-token ``lax.scan``: the buffers shift by one token per step. Returns ``(o, final)``."""
+    check_heads("hybrid_attention", q, k, v, state)
+    H = q.shape[1]
     fq_den = fq if fq_den is None else fq_den
     fk_den = fk if fk_den is None else fk_den
     gamma = None if log_gamma is None else jnp.exp(log_gamma)
@@ -160,15 +205,15 @@ def recurrent(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: i
         return jnp.where(valid[None], gamma[:, None] ** jnp.where(valid, age, 0)[None], 0)
 
     def step(st: HybridState, x):
-        q_t, k_t, fq_t, fk_t, fqd_t, fkd_t, v_t, t = x  # f[batch, heads, .], int32[]
+        q_t, k_t, fq_t, fk_t, fqd_t, fkd_t, v_t, t = x  # f[batch, heads or kv_heads (k_t, v_t), .], int32[]
         S, z = (st.S, st.z) if gamma is None else (st.S * gamma[:, None, None], st.z * gamma[:, None])
         sink_t = t < sinks
         if window == 0:  # the current token is linear unless a sink: it enters before the output
             add = jnp.where(sink_t, 0, 1).astype(v.dtype)
-            S = S + add * fk_t[..., :, None] * v_t[..., None, :]
+            S = S + add * fk_t[..., :, None] * repeat_kv(v_t, H)[..., None, :]
             z = z + add * fkd_t
-        keys = jnp.concatenate([st.sink_k, st.win_k, k_t[:, :, None]], 2)
-        vals = jnp.concatenate([st.sink_v, st.win_v, v_t[:, :, None]], 2)
+        keys = repeat_kv(jnp.concatenate([st.sink_k, st.win_k, k_t[:, :, None]], 2), H)
+        vals = repeat_kv(jnp.concatenate([st.sink_v, st.win_v, v_t[:, :, None]], 2), H)
         pos = jnp.concatenate([st.sink_pos, st.win_pos, t[None]])
         n_s = st.sink_pos.shape[0]
         origin_win = (jnp.arange(pos.shape[0]) >= n_s) & (jnp.arange(pos.shape[0]) < pos.shape[0] - 1)
@@ -195,7 +240,7 @@ def recurrent(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: i
             p_fk, p_fkd, p_v, p_pos = pop
             enters = (p_pos >= 0) & (p_pos >= sinks)
             w_pop = weight(t - p_pos[None], enters[None])[:, 0]  # f[heads or 1]
-            S = S + w_pop[:, None, None] * p_fk[..., :, None] * p_v[..., None, :]
+            S = S + w_pop[:, None, None] * p_fk[..., :, None] * repeat_kv(p_v, H)[..., None, :]
             z = z + w_pop[:, None] * p_fkd
         slot = (jnp.arange(n_s) == t)
         sink_k = jnp.where(slot[:, None], k_t[:, :, None], st.sink_k)
@@ -212,6 +257,7 @@ def chunked(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: int
             fq_den=None, fk_den=None, log_gamma=None, eps: float = 0.0, chunk_size: int = 64):
     """``parallel`` inside chunks of ``chunk_size`` tokens, a ``lax.scan`` of the state across them
     (the remainder in one more parallel call). Returns ``(o, final_state)``."""
+    check_heads("hybrid_attention", q, k, v, state)
     fq_den = fq if fq_den is None else fq_den
     fk_den = fk if fk_den is None else fk_den
     kw = dict(gate=gate, window=window, sinks=sinks, log_gamma=log_gamma, eps=eps)
@@ -222,7 +268,7 @@ def chunked(q, k, fq, fk, v, positions, state: HybridState, *, gate, window: int
         return parallel(*args, positions, state, fq_den=fq_den, fk_den=fk_den, **kw)
     cut = n_chunks * chunk_size
 
-    def split(a):  # [B, H, n*C, F] -> [n, B, H, C, F]
+    def split(a):  # [B, H or G, n*C, F] -> [n, B, H or G, C, F]
         return jnp.moveaxis(a[:, :, :cut].reshape(*a.shape[:2], n_chunks, chunk_size, a.shape[-1]), 2, 0)
 
     def body(carry, x):

@@ -5,9 +5,9 @@ fair untrained baseline keeps no more: sliding-window softmax with the student's
 part (``window_config``), at the largest window whose KV fits the student's budget, optionally with a
 cache of tokens that left the window, chosen by the attention they got in it.
 
-* ``window_floats``: what a window baseline keeps of a prompt (its KV per kv head, its cache per head).
-* ``student_budget``: what the student must keep (its state, its local layers' exact windows counted
-  once per kv head, as a window's KV is).
+* ``window_floats``: what a window baseline keeps of a prompt (its KV and its cache per kv head).
+* ``student_budget``: what the student must keep (its state; its local layers' exact windows: their
+  keys and values, per kv head, as a window's KV is).
 * ``equal_window``, ``equal_cached_window``: the largest window (with a cache) within that budget.
 * ``compared_methods``: the teacher, the student, the student with LoLA's sparse cache and the window
   baselines, by the names the long-prompt tables use (``experiments/long_context.py``).
@@ -32,18 +32,19 @@ EQUAL = "equal"  # compared_methods' windows: the window whose KV matches the st
 
 def window_floats(cfg) -> int:
     """What a window baseline (its config ``cfg``, ``window_config``) must keep of a prompt: the KV of
-    its sinks and last ``window - 1`` tokens, per kv head (its buffers are per query head, which a
-    grouped-query window need not be); with a cache, per global layer and query head (each chooses
-    its own tokens) each cached key, value and score, and the window's scores."""
+    its sinks and last ``window - 1`` tokens, per kv head; with a cache, per global layer and kv head
+    (each chooses its own tokens for its group of query heads) each cached key, value and score, and
+    the window's scores. Its stored state holds these and, per query head, the empty linear part of
+    ``feature_map="none"`` (a zero state and feature slots), which is not counted."""
     per_head = cfg.cache * (2 * cfg.head_dim + 1) + max(cfg.window - 1, 0) if cfg.cache else 0
-    return kv_cache_floats(cfg, cfg.window - 1 + cfg.sinks) + len(cfg.global_layers) * cfg.n_heads * per_head
+    return kv_cache_floats(cfg, cfg.window - 1 + cfg.sinks) + len(cfg.global_layers) * cfg.kv_heads * per_head
 
 
 def student_budget(student) -> int:
     """The floats the student (a ``Transformer``) must keep of a prompt: its state as stored
-    (``iclca.state_floats``), except that its local layers' exact windows count once per kv head, as a
-    window baseline's KV does (they are softmax windows, which grouped-query heads share; the zoo
-    stores them per query head: benchmarks/decode_memory.py)."""
+    (``iclca.state_floats``), except that of its local layers' exact windows only the keys and values
+    count (per kv head, as stored and as a window baseline's KV is), not the empty linear part that
+    the window-only hybrid stores beside them (a zero state and feature slots per query head)."""
     cfg = student.cfg
     local = [layer for layer in range(cfg.n_layers) if layer not in cfg.global_layers]
     shared = 2 * cfg.kv_heads * cfg.head_dim * max(cfg.sliding_window - 1, 0)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from linicl import iclca
 from linicl.errors import LiniclError
-from linicl.memory import kv_cache_floats
+from linicl.memory import kv_cache_floats, prompt_floats
 from linicl.metrics import rel_err
 from linicl.names import PROMPT_STATE
 from linicl.timing import time_call
@@ -23,7 +23,8 @@ def conversion_cost(model, variables, lengths: Sequence[int], *, query_len: int 
     query alone on ``iclca.convert``'s variables), median seconds of ``repeats`` jitted calls
     (``timing.time_call``, compile excluded); ``logits_rel_err``: max |converted - prompted| over the
     query logits / max |prompted| (the conversion's rounding error, ``metrics.rel_err``);
-    ``state_floats``: the floats of the converted prompt state (the same for every n);
+    ``state_floats``: the floats of the converted prompt state (``memory.prompt_floats``: its int32
+    positions are not floats; the same for every n, ``iclca.state_floats``);
     ``kv_cache_floats``: a softmax model's cache for n tokens (``memory.kv_cache_floats``). Timings
     are for reports, never assertions."""
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
@@ -40,7 +41,7 @@ def conversion_cost(model, variables, lengths: Sequence[int], *, query_len: int 
         err = rel_err(fwd(converted, query), fwd(variables, full)[:, n:])
         rows.append(dict(prompt_len=n, prompted_s=time_call(fwd, variables, full, repeats=repeats),
                          converted_s=time_call(fwd, converted, query, repeats=repeats), logits_rel_err=err,
-                         state_floats=int(sum(x.size for x in jax.tree_util.tree_leaves(converted[PROMPT_STATE]))),
+                         state_floats=prompt_floats({PROMPT_STATE: converted[PROMPT_STATE]}),
                          kv_cache_floats=kv_cache_floats(model.cfg, n)))
     return rows
 

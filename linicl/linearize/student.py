@@ -98,8 +98,8 @@ def window_config(teacher: ModelConfig, *, window: int, sinks: int = 4, cache: i
     that of ``window - 1 + sinks`` tokens), so prompts convert exactly. Its variables:
     ``student_variables(Transformer(cfg), teacher_variables)`` (its per-head window gates cancel between
     numerator and denominator, up to the model's own epsilon). ``cache``: also keep that many tokens
-    that left the window, per head, chosen by ``cache_rule`` (default "attention": with no linear part,
-    LoLA's "recall" score is just |v|^2). ``cache_rule`` must be one of ``CACHE_RULES`` even with
+    that left the window, per key/value head, chosen by ``cache_rule`` (default "attention": with no
+    linear part, LoLA's "recall" score is just |v|^2). ``cache_rule`` must be one of ``CACHE_RULES`` even with
     ``cache=0`` (where it has nothing to choose and the config keeps "recall"): a misspelt rule is
     refused, not dropped."""
     if not isinstance(cache_rule, str) or cache_rule not in CACHE_RULES:  # as ModelConfig would refuse it

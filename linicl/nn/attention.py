@@ -16,14 +16,18 @@ Variable collections (their names and contents: ``linicl.names``):
   ``[d_model, heads]``, bias initialised to 0), the write strength beta_t = sigmoid(x_t W + b) in
   (0, 1); with ``cfg.short_conv`` = K, ``conv_q: [K, heads, d_head]``, ``conv_k``, ``conv_v`` (kv_heads), the
   taps of the short causal convolution of the projections (no bias; initialised to the identity, tap
-  K - 1 = 1). Gates and write strengths are per query head (with grouped-query heads the state is kept
-  per query head, after the keys and values are repeated). x is the attention's input.
+  K - 1 = 1). Gates and write strengths are per query head (with grouped-query heads the linear state
+  S, z and the key features are kept per query head, from the repeated keys and values; the exact part
+  of a hybrid, its window's, sinks' and cache's keys and values, per key/value head). x is the
+  attention's input.
 * ``prompt_state`` (linear attention): ``S: [batch or 1, heads, d_phi, d_head]``, ``z: [batch or 1,
   heads, d_phi]``, the state a prompt left behind, read as the initial state (with a window or
-  sinks, every field of ``HybridState``; with a cache too, of ``sparse_cache.SparseState``, whose
-  ``cache_pos`` has a batch axis; with ``update="delta"`` only ``S``, the delta rule's
-  ``DeltaState``); with a short convolution also ``conv_q: [batch or 1, K - 1, heads, d_head]``,
-  ``conv_k``, ``conv_v`` (kv_heads), the convolution's last K - 1 inputs (``names.SHORT_CONV_STATE``).
+  sinks, every field of ``HybridState``, whose keys and values ``win_k``, ``win_v``, ``sink_k``,
+  ``sink_v`` have kv_heads; with a cache too, of ``sparse_cache.SparseState``, whose ``cache_pos`` has
+  a batch axis and whose cache keys, values, positions and scores have kv_heads; with
+  ``update="delta"`` only ``S``, the delta rule's ``DeltaState``); with a short convolution also
+  ``conv_q: [batch or 1, K - 1, heads, d_head]``, ``conv_k``, ``conv_v`` (kv_heads), the convolution's
+  last K - 1 inputs (``names.SHORT_CONV_STATE``).
   When the collection is mutable the final state is written
   back (re-based for rope on the features when nothing depends on absolute positions): that is
   ``iclca.convert``.
@@ -148,8 +152,8 @@ class Attention(nn.Module):
             q, k = make_norm(cfg, "q_norm")(q), make_norm(cfg, "k_norm")(k)
         if cfg.query_pre_attn_scalar is not None:  # q.k / sqrt(d_head) becomes q.k / sqrt(s)
             q = q * jnp.asarray(cfg.query_scale, dt)
-        if cfg.attention == "linear":
-            o = self._linear(x, q, repeat_kv(k, cfg.n_heads), repeat_kv(v, cfg.n_heads), positions)
+        if cfg.attention == "linear":  # k, v: kv_heads (repeated to the query heads where needed)
+            o = self._linear(x, q, k, v, positions)
         else:
             o = self._softmax(q, k, v, positions, proj)
         z = site(self, "hook_z", jnp.swapaxes(o, 1, 2), head_axis=2)
@@ -180,12 +184,14 @@ class Attention(nn.Module):
         return out
 
     def _linear(self, x, q, k, v, positions):
+        """q: ``f[batch, heads, seq, d_head]``; k, v: ``f[batch, kv_heads, seq, d_head]``."""
         cfg = self.cfg
         rotate = functools.partial(apply_rope, positions=positions, base=cfg.rope_base, style=cfg.rope_style)
         rope = cfg.positions == "rope"
         if rope and cfg.rope_on == "inputs":  # LoLCATs: phi of the rotated q, k (absolute positions)
             q, k = rotate(q), rotate(k)
-        fq, fk = self._features(q, k)
+        # The key map is per query head: it reads the repeated keys (rope commutes with the repeat).
+        fq, fk = self._features(q, repeat_kv(k, cfg.n_heads))
         if cfg.update == "delta":  # unit features: see the module docstring
             fq, fk = l2_normalize(fq, cfg.attn_eps), l2_normalize(fk, cfg.attn_eps)
         q_den = k_den = None
@@ -194,9 +200,11 @@ class Attention(nn.Module):
             q_den, k_den = fq, fk
             fq, fk = rotate(fq), rotate(fk)
         if cfg.hybrid:
-            # The exact part scores the rotated q, k whichever features the linear part rotates.
+            # The exact part scores the rotated q, k whichever features the linear part rotates; its
+            # keys and values stay at kv_heads (the kernels store them once per key/value head).
             q_exact, k_exact = (rotate(q), rotate(k)) if rope and cfg.rope_on == "features" else (q, k)
             return self._hybrid(q_exact, k_exact, fq, fk, v, positions, q_den, k_den)
+        v = repeat_kv(v, cfg.n_heads)  # the state S is per query head
         state, bias = self._initial_state(q.shape[0])
         log_alpha = self._log_alpha(x)
         if cfg.update == "delta":  # no normaliser: q_den, k_den are not read
@@ -234,6 +242,8 @@ class Attention(nn.Module):
         return jnp.swapaxes(jax.nn.sigmoid(logits), 1, 2)
 
     def _hybrid(self, q, k, fq, fk, v, positions, q_den, k_den):
+        """The hybrid (or sparse-cache) kernel: q, features ``f[batch, heads, seq, .]``; k, v
+        ``f[batch, kv_heads, seq, d_head]``, stored as such in the window, sinks and cache."""
         cfg = self.cfg
         gate = self.param("gate", nn.initializers.zeros, (cfg.n_heads,), cfg.jnp_dtype)
         state, bias = self._initial_state(q.shape[0])
@@ -273,12 +283,12 @@ class Attention(nn.Module):
         """The zero state of this layer: ``LinearState``, (window/sinks) ``HybridState``, (with a
         cache) ``SparseState`` or (the delta rule) ``DeltaState``."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        F, H, dv = cfg.feature_dim, cfg.n_heads, cfg.head_dim
+        F, H, G, dv = cfg.feature_dim, cfg.n_heads, cfg.kv_heads, cfg.head_dim
         if cfg.cache:
             return sparse_cache.empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, cfg.cache, dt,
-                                            cfg.cache_rule)
+                                            cfg.cache_rule, kv_heads=G)
         if cfg.hybrid:
-            return empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, dt)
+            return empty_state(batch, H, dv, F, dv, cfg.window, cfg.sinks, dt, kv_heads=G)
         if cfg.update == "delta":
             return DeltaState(jnp.zeros((batch, H, F, dv), dt))
         return LinearState(jnp.zeros((batch, H, F, dv), dt), jnp.zeros((batch, H, F), dt))

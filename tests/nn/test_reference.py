@@ -539,6 +539,8 @@ def _assert_state(stored, expected, what):
         assert _err(stored, expected) <= EXACT_RTOL, what
 
 
+_KV_FIELDS = ("win_k", "win_v", "sink_k", "sink_v")  # a hybrid state's fields with kv_heads heads
+
 # (config, prompt length): prompts shorter than the window or the sinks leave empty slots.
 STATES = [("elu+1/rope-features/per-head-decay/bias", 6), ("taylor2/rope-half/odd-feature-width", 5),
           ("identity/unnormalised/gqa/rope", 5), ("hedgehog-m3/rope-inputs/gqa", 5),
@@ -562,7 +564,9 @@ def test_converted_state_and_model_equal_the_numpy_reference(name, n):
         for b in range(2):
             for h in range(cfg.n_heads):
                 for field, want in expected_state(cfg, params, records, layer, b, h, n).items():
-                    got = stored[field] if field.endswith("_pos") else stored[field][b, h]
+                    # keys and values are stored per key/value head (query head h reads h // group)
+                    at = h // (cfg.n_heads // cfg.kv_heads) if field in _KV_FIELDS else h
+                    got = stored[field] if field.endswith("_pos") else stored[field][b, at]
                     _assert_state(got, want, f"layer {layer} row {b} head {h} {field}")
     # The query continues at n when the model depends on absolute positions, else restarts at 0.
     absolute = cfg.positions == "learned" or _hybrid(cfg) or (cfg.positions == "rope" and cfg.rope_on == "inputs")

@@ -75,7 +75,7 @@ def test_converted_equals_prompted(family, data, n, m, rows, seed):
     assert rel_err(apply(model, variables, query), reference) >= BASELINE_MIN
     assert int(converted["position"]["offset"]) == n
     cache_pos = converted[PROMPT_STATE]["layers_0"]["attn"]["cache_pos"]
-    assert cache_pos.shape == (rows[0], cfg.n_heads, cfg.cache)
+    assert cache_pos.shape == (rows[0], cfg.kv_heads, cfg.cache)  # a cache per key/value head
     np.testing.assert_array_equal((cache_pos >= 0).sum(-1), _cached(cfg, n))
 
 
@@ -144,11 +144,11 @@ def test_state_is_bounded_and_counted(rule):
     attn = long[PROMPT_STATE]["layers_0"]["attn"]
     np.testing.assert_array_equal(attn["win_pos"], [28, 29])
     pos = np.asarray(attn["cache_pos"])
-    assert pos.shape == (1, cfg.n_heads, 4) and ((pos >= 2) & (pos < 28)).all()
+    assert pos.shape == (1, cfg.kv_heads, 4) and ((pos >= 2) & (pos < 28)).all()
     floats = sum(a.size for a in jax.tree.leaves(long[PROMPT_STATE]) if jnp.issubdtype(a.dtype, jnp.floating))
     assert iclca.state_floats(cfg) == floats == memory.prompt_floats({PROMPT_STATE: long[PROMPT_STATE]})
     assert iclca.state_floats(cfg) > iclca.state_floats(cfg.replace(cache=0, cache_rule="recall"))
-    scores = (2 + 4) * cfg.n_layers * cfg.n_heads  # a score per window (W - 1 = 2) and cache slot
+    scores = (2 + 4) * cfg.n_layers * cfg.kv_heads  # a score per window (W - 1 = 2) and cache slot
     other = cfg.replace(cache_rule="recall" if rule == "attention" else "attention")
     assert abs(iclca.state_floats(cfg) - iclca.state_floats(other)) == scores
 
