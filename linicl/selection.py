@@ -12,12 +12,15 @@ query (compression.md). This module scores every cached key and allocates the bu
     the chunk, as kvpress's ``KVzipPress`` writes it); a key's score is the largest attention any
     re-reading query of any head of its group gives it. As in kvpress, each re-reading query's softmax
     runs over the sinks, the chunk's own prompt keys and the re-read tokens before it (the other prompt
-    keys do not normalise), and the cache is reset to the prompt between chunks.
+    keys do not normalise), and the cache is reset to the prompt between chunks. Equal to kvpress's
+    scores for a prompt of one chunk (tests/iclca/test_kvpress_parity.py); its later chunks read
+    another request and a suffix, and it leaves a chat template's prefix out (that test's docstring).
   - ``"expected"`` (Expected Attention, arXiv 2510.00636): future queries modelled as a Gaussian
     fitted to the prompt's own queries after the sinks (as the model scores them, before rope),
     rotated by the mean rope rotation of the next ``future`` positions; the closed-form expected
     softmax weight of each key, averaged over its group, times ``||v||``.
-  - ``"h2o"`` (arXiv 2306.14048): the attention each key accumulates from every prompt query.
+  - ``"h2o"`` (arXiv 2306.14048): the attention each key accumulates from every prompt query (a sum,
+    as the paper; kvpress's observed attention divides it by the queries that see the key).
   - ``"snapkv"`` (arXiv 2404.14469): the mean attention from an observation window, smoothed over 5
     tokens: the queries of a fixed question-free suffix read after the prompt (``instruction``), or
     without one the prompt's last ``observation`` queries (the converted prompt never holds the
