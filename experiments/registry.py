@@ -295,7 +295,7 @@ EXPERIMENTS = {
     "long_context_classic": dict(
         title="Long prompts kept by selection at conversion, the original passkey haystack (repeated sentences)",
         cmd=["experiments/long_context.py", "--resume", "--filler", "classic"], quick=["--quick"],
-        full=["--lengths", "1024", "2048", "--n", "28", "--probes", "passkey", "--methods", "softmax",
+        full=["--lengths", "1024", "2048", "--n", "28", "--probes", "passkey", "kv", "--methods", "softmax",
               "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
               "--select-keeps", "0.02", "0.05", "0.1", "--convert-check", "0"],
         json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
