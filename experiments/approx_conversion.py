@@ -11,7 +11,13 @@ then reads each test query alone (its positions continue at the prompt's length 
   features), ``elu+1`` (shared normaliser, no sinks); ``lsq-<kernel>`` (least-squares fit of (B, b)
   on ``--fit-queries`` OTHER queries of the task's demo pool, never the test queries, all of one token
   length so that no padding enters the fit); ``<kernel>+sinks<s>`` (the first s prompt tokens kept as
-  exact keys); ``<kernel>-mix<lam>`` (the lambda-mix normaliser).
+  exact keys); ``<kernel>-mix<lam>`` (the lambda-mix normaliser);
+* selections (``--select-scores``, ``--select-keeps``): ``<score>@<keep>`` keeps, besides the first
+  ``--select-sinks`` and last ``--select-window`` prompt tokens, the exact keys and values the score
+  chooses from the whole prompt (``iclca.convert_approx(keep=...)``, ``kernel="none"``, the rest
+  dropped) in that share of the prompt's KV floats; ``recent@<keep>`` is the sliding window (with
+  sinks) of the same floats, the baseline a selection must beat. The test queries are never seen by
+  a score: one kept set serves them all.
 
 Measured per (task, k, method), on the same ``--n-eval`` seeded test queries:
 
@@ -69,12 +75,13 @@ import time
 from tqdm.auto import tqdm
 
 import linicl.lm
-from linicl import data, recovery, reporting
-from linicl.approx import converters, correctness, evaluate_task, layer_error_summary, variant_specs
+from linicl import data, recovery, reporting, selection
+from linicl.approx import converters, correctness, evaluate_task, layer_error_summary, selection_specs, variant_specs
 from linicl.approx.report import layer_error_figure, per_task_figure, synthetic_figure, tables
 from linicl.compiled import enable_persistent_cache
 from linicl.errors import LiniclError
 from linicl.fidelity import copy_test
+from linicl.names import SELECTION_SCORES
 
 DEFAULT_TASKS = ("present-past", "capitalize", "singular-plural", "sst2", "trec", "agnews")
 QUICK_TASKS = ("antonym", "sst2")
@@ -98,6 +105,15 @@ def parse_args(argv=None):
     p.add_argument("--extra-kernel", default="taylor2", help="kernel of the sinks and mix variants")
     p.add_argument("--sinks", type=int, default=4, help="exact sink tokens of the sinks variant (0: none)")
     p.add_argument("--mix", type=float, default=0.5, help="lambda of the mix variant (negative: none)")
+    p.add_argument("--select-scores", nargs="*", default=[], choices=list(SELECTION_SCORES),
+                   help="selections of the prompt's exact keys and values (convert_approx(keep=...), kernel 'none'): "
+                        "these scores at every --select-keeps budget, named '<score>@<keep>' (default none)")
+    p.add_argument("--select-keeps", nargs="+", type=float, default=[0.1, 0.25],
+                   help="selection budgets: shares of the prompt's KV floats")
+    p.add_argument("--select-sinks", type=reporting.nonnegative_int, default=2,
+                   help="first prompt tokens every selection keeps (short prompts: few)")
+    p.add_argument("--select-window", type=reporting.nonnegative_int, default=4,
+                   help="last prompt tokens every selection keeps")
     p.add_argument("--n-features", type=int, default=256, help="random features of the prf kernel")
     p.add_argument("--ridge", type=float, default=1e-6, help="ridge of the least-squares fit")
     p.add_argument("--fit-queries", type=int, default=16, help="demo-pool queries of the least-squares fit")
@@ -159,6 +175,10 @@ def run(args) -> dict:
         raise LiniclError("this experiment is about softmax models (a linear model's conversion is exact)")
     specs = variant_specs(args.kernels, args.lsq_kernels, extra_kernel=args.extra_kernel, sinks=args.sinks,
                           mix=args.mix)
+    if args.select_scores:  # each selection runs its score on the prompt it converts
+        specs.update(selection_specs(args.select_scores, args.select_keeps, sinks=args.select_sinks,
+                                     window=args.select_window,
+                                     instruction=tok.encode(selection.REPEAT_INSTRUCTION, add_bos=False)))
     methods = converters(model, variables, specs, n_features=args.n_features, ridge=args.ridge, seed=args.seed)
     tasks, skipped = {}, []
     prog = reporting.Progress(os.path.join(args.out, "progress.json"),

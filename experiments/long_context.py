@@ -73,7 +73,6 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
                     "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len",
                     "select_scores", "select_keeps", "select_allocations", "select_question")
-REPEAT = "\n\nRepeat the previous context exactly."  # KVzip's re-read instruction (kvpress's wording)
 
 
 def parse_args(argv=None):
@@ -205,7 +204,7 @@ def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
     setting = f"select {','.join(select_scores(vars(args)))} keep {','.join(f'{k:g}' for k in args.select_keeps)} " \
               f"sinks {args.select_sinks} window {args.select_window}" + \
               (f" allocations {','.join(args.select_allocations)}" if args.select_allocations else "")
-    instruction = tok.encode(REPEAT, add_bos=False)
+    instruction = tok.encode(selection.REPEAT_INSTRUCTION, add_bos=False)
     records = []
     for i, p in enumerate(tqdm(prompts, disable=not args.progress, desc=f"{key} selection", leave=False)):
         name = f"{key} | {setting} | prompt {i}"

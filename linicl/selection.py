@@ -62,6 +62,9 @@ from linicl.nn.transformer import config_of
 # kvpress's defaults, kept so that the scores can be compared with its presses.
 KVZIP_CHUNK = 2048        # context tokens re-read at once
 KVZIP_OVERLAP = 8         # tokens of the previous chunk repeated before the next one
+# KVZip's re-read instruction in kvpress's wording: encode it (no BOS) and pass it as "reconstruction"'s
+# ``instruction``.
+REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly."
 SNAPKV_WINDOW = 64        # observation window
 SNAPKV_POOL = 5           # smoothing width
 EXPECTED_FUTURE = 512     # future positions whose rope rotations are averaged

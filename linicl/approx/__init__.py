@@ -5,7 +5,8 @@ terms.
 Modules, one concept each:
 
 * ``variants``: the named variants of ``convert_approx`` (``variant_specs``: plain kernels,
-  least-squares fits, attention sinks, the lambda-mix normaliser), one application
+  least-squares fits, attention sinks, the lambda-mix normaliser; ``selection_specs``: selections of
+  the prompt's exact keys and values at budgets), one application
   (``convert_variant``) and the converters of a model (``converters``), in the form
   ``linicl.fidelity.copy_test`` takes.
 * ``evaluation``: one k-shot prompt per (task, k) stored by every converter and the test queries read
@@ -21,7 +22,7 @@ Modules, one concept each:
 
 from linicl.approx.evaluation import (BASE, TaskTargets, correctness, evaluate_task, layer_error_summary,
                                       query_window, task_targets)
-from linicl.approx.variants import convert_variant, converters, variant_specs
+from linicl.approx.variants import convert_variant, converters, selection_specs, variant_specs
 
-__all__ = ["variant_specs", "convert_variant", "converters", "BASE", "query_window", "TaskTargets", "task_targets",
+__all__ = ["variant_specs", "selection_specs", "convert_variant", "converters", "BASE", "query_window", "TaskTargets", "task_targets",
            "evaluate_task", "correctness", "layer_error_summary"]

@@ -26,7 +26,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 import jax
 import numpy as np
 
-from linicl import activations, batching, data
+from linicl import activations, batching, data, iclca
 from linicl.errors import LiniclError
 from linicl.evaluate import first_content_targets
 from linicl.fidelity import method_scores, predict
@@ -92,6 +92,16 @@ def _with_blanks(prompts, blanks) -> list:
     return [np.concatenate([p.tokens, b]) for p, b in zip(prompts, blanks)]
 
 
+def _stored(conv) -> int:
+    """Floats the converted prompt stores: every float of its prompt collections except the seeded
+    random projections (re-drawn from the seed); a selection's kept entries without their padding
+    (``iclca.stored_floats``: each KV head's own entries)."""
+    layers = conv[PROMPT_APPROX].values()
+    if any(a["attn"]["approx"].sink_pos is not None and a["attn"]["approx"].sink_pos.ndim == 3 for a in layers):
+        return sum(iclca.stored_floats(conv).values())
+    return prompt_floats(conv, projections=False)
+
+
 def _cell(model, variables, tokenizer, task, methods: Mapping, t: TaskTargets, zero: tuple, k: int, *,
           n_eval, seed, add_bos, fit_queries, width, window: dict, bar, skipped: list) -> Optional[dict]:
     """One (task, k) cell: every method scored against the prompted model; None when the k-shot
@@ -141,8 +151,7 @@ def _cell(model, variables, tokenizer, task, methods: Mapping, t: TaskTargets, z
             skipped.append(dict(task=name, k=k, method=method, reason=str(e)))
             continue
         m = score(lp, z, ref)
-        # the seeded random projections are not counted: they are re-drawn from the seed
-        m.update(convert_s=t1 - t0, eval_s=t2 - t1, state_floats=prompt_floats(conv, projections=False))
+        m.update(convert_s=t1 - t0, eval_s=t2 - t1, state_floats=_stored(conv))
         cell["methods"][method] = m
         del conv, z
     return cell

@@ -9,6 +9,12 @@ A variant is a ``spec``: ``convert_approx``'s keyword arguments (``kernel`` and 
 * ``lsq-<kernel>``: (B, b) fitted by least squares on other queries of the task;
 * ``<kernel>+sinks<s>``: the first s prompt tokens kept as exact keys;
 * ``<kernel>-mix<lam>``: the lambda-mix normaliser.
+
+``selection_specs`` names selections of the prompt's exact keys and values (``convert_approx(keep=...)``,
+``linicl.selection``) as ``approx.selected.method_name`` does: ``reconstruction@0.25`` keeps, besides
+the sinks and the last tokens, what KVzip's score chooses, in a quarter of the prompt's KV floats;
+``recent@0.25`` is the sliding window (with sinks) of the same floats. A selection converts one prompt
+at a time (its kept sets have data-dependent sizes).
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from linicl import iclca
+from linicl.approx.selected import method_name
 from linicl.errors import LiniclError
 
-__all__ = ["variant_specs", "convert_variant", "converters"]
+__all__ = ["variant_specs", "selection_specs", "convert_variant", "converters"]
 
 
 def variant_specs(kernels: Sequence[str] = ("taylor2", "prf", "elu+1"), lsq_kernels: Sequence[str] = ("prf",), *,
@@ -42,6 +49,27 @@ def variant_specs(kernels: Sequence[str] = ("taylor2", "prf", "elu+1"), lsq_kern
     return specs
 
 
+def selection_specs(scores: Sequence[str], keeps: Sequence, *, sinks: int, window: int,
+                    instruction: Optional[Sequence[int]] = None) -> dict:
+    """``{"<score>@<keep>": spec}`` for every score of ``scores`` (``names.SELECTION_SCORES``) at every
+    budget of ``keeps`` (shares of the prompt's KV floats, or ints: tokens per KV head), each with its
+    default allocation, the ``sinks`` first and ``window`` last prompt tokens always kept, and what is
+    not kept dropped (``kernel="none"``). ``instruction``: "reconstruction"'s re-read instruction
+    (token ids, e.g. of ``selection.REPEAT_INSTRUCTION``). ``convert_approx`` checks the settings when a
+    spec is applied."""
+    if not scores or not keeps:
+        raise LiniclError(f"selection_specs needs at least one score and one budget, got scores={list(scores)}, "
+                          f"keeps={list(keeps)}")
+    specs = {}
+    for score in scores:
+        for keep in keeps:
+            spec = dict(kernel="none", keep=keep, score=score, sinks=sinks, window=window)
+            if score == "reconstruction" and instruction is not None:
+                spec["instruction"] = [int(i) for i in instruction]
+            specs[method_name(score, keep)] = spec
+    return specs
+
+
 def convert_variant(model, variables, prompt, spec: Mapping, *, n_features: int = 256, ridge: float = 1e-6,
                     seed: int = 0, fit_inputs=None) -> dict:
     """``iclca.convert_approx`` of ``prompt`` (``int[n]``, or a batch of prompts ``int[b, n]``, row i
@@ -56,7 +84,7 @@ def convert_variant(model, variables, prompt, spec: Mapping, *, n_features: int 
         raise LiniclError(f"prompt must be int[n] or int[batch, n], got shape {prompt.shape}")
     prompt = prompt if prompt.ndim == 2 else prompt[None]
     kw = {k: v for k, v in spec.items() if k != "fit"}
-    if "sinks" in kw:
+    if "sinks" in kw and "keep" not in kw:  # a selection's sinks are checked, not cut
         kw["sinks"] = min(kw["sinks"], prompt.shape[1])
     if spec.get("fit"):
         if fit_inputs is None:
@@ -75,4 +103,5 @@ def converters(model, variables, specs: Mapping[str, Mapping], *, n_features: in
     def one(spec):
         return lambda prompt, fit_inputs: convert_variant(model, variables, prompt, spec, n_features=n_features,
                                                           ridge=ridge, seed=seed, fit_inputs=fit_inputs)
-    return {name: (one(spec), bool(spec.get("fit"))) for name, spec in specs.items()}
+    return {name: (one(spec), bool(spec.get("fit")) or spec.get("keep") is not None)
+            for name, spec in specs.items()}

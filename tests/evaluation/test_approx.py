@@ -45,6 +45,28 @@ def test_convert_variant_keeps_at_most_the_prompt_and_needs_fit_inputs():
         approx.convert_variant(model, variables, np.zeros((1, 1, 5), np.int32), dict(kernel="prf"))
 
 
+def test_selection_specs_keep_what_their_scores_choose_one_prompt_at_a_time():
+    specs = approx.selection_specs(["reconstruction", "recent"], [0.5, 1.0], sinks=1, window=2, instruction=[7, 8])
+    assert list(specs) == ["reconstruction@0.5", "reconstruction@1", "recent@0.5", "recent@1"]
+    assert specs["reconstruction@0.5"] == dict(kernel="none", keep=0.5, score="reconstruction", sinks=1, window=2,
+                                               instruction=[7, 8])
+    assert "instruction" not in specs["recent@1"]                      # only the re-read needs it
+    cfg = linicl.ModelConfig(attention="softmax", positions="rope", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2,
+                             vocab_size=32, dtype="float64")
+    model, variables = init(cfg, 0)
+    prompt, query = np.asarray(tokens(0, 1, 12, 32))[0], tokens(1, 1, 3, 32)
+    methods = approx.converters(model, variables, specs)
+    assert all(one_at_a_time for _, one_at_a_time in methods.values())
+    target = apply(model, variables, jnp.concatenate([jnp.asarray(prompt)[None], query], 1))[:, 12:]
+    whole = methods["reconstruction@1"][0](prompt, None)               # the whole budget: every token kept
+    assert rel_err(apply(model, whole, query), target) <= EXACT_RTOL
+    half = methods["recent@0.5"][0](prompt, np.zeros((2, 3), np.int32))  # fit inputs are ignored
+    assert rel_err(apply(model, half, query), target) > 1e-3           # power: half the prompt is gone
+    assert sum(linicl.iclca.stored_floats(half).values()) == 2 * 2 * 6 * 2 * cfg.head_dim  # layers, KV heads, tokens
+    with pytest.raises(LiniclError, match="at least one score"):
+        approx.selection_specs([], [0.1], sinks=1, window=2)
+
+
 class _Bar:
     """A progress bar that counts."""
 
@@ -64,7 +86,8 @@ class _Bar:
 def test_evaluate_task_scores_every_method_against_the_prompted_model():
     model, variables, tok = linicl.lm.from_pretrained(TINY_GGUF, max_len=2048)
     specs = {"taylor2": dict(kernel="taylor2"), "taylor2+sinks1000": dict(kernel="taylor2", sinks=1000),
-             "lsq-prf": dict(kernel="prf", fit=True)}
+             "lsq-prf": dict(kernel="prf", fit=True),
+             **approx.selection_specs(["h2o"], [1.0], sinks=1, window=1)}
     methods = approx.converters(model, variables, specs, n_features=16)
     task, bar = linicl.data.load_task("antonym"), _Bar()
     entry, skipped = approx.evaluate_task(model, variables, tok, task, methods, ks=[1], n_eval=3, seed=0,
@@ -81,6 +104,10 @@ def test_evaluate_task_scores_every_method_against_the_prompted_model():
     assert exact["kl_full_mean"] < 1e-6 and max(exact["layer_rel_err"]) < 1e-4
     assert max(cell["methods"]["zero"]["layer_rel_err"]) > 1e-2
     assert all(cell["methods"][m]["state_floats"] > 0 for m in specs)
+    # the whole budget keeps every prompt token of every layer: the prompted model, and its KV floats
+    kept = cell["methods"]["h2o@1"]
+    assert kept["predictions"] == prompt["predictions"] and kept["kl_full_mean"] < 1e-6
+    assert kept["state_floats"] == cell["kv_cache_floats"]
     # the targets of the same queries, read alone
     t = approx.task_targets(task, tok, n_eval=3, seed=0)
     assert t.metric == entry["metric"] and t.gold_ids.tolist() == entry["gold_ids"] and len(t.queries) == 3
