@@ -10,7 +10,10 @@ Every method reads the same prompts of an exact token length (``linicl.data.long
    filler, one asked for at the end (MQAR written in words); scored the same way.
 3. **many-shot ICL**: k demonstrations (``--shots``, shared by every query) of word tasks, scored as
    ``linicl.evaluate`` does (exact match of the greedy answer).
-4. **held-out next-token loss by position** on filler text of the longest length.
+4. **held-out next-token loss by position** on filler text of the longest length; with
+   ``--select-scores`` also the loss of the ``--loss-tail`` tokens that follow a prefix of the longest
+   length kept by each selection, against the whole prefix and the equal-float window
+   (``approx.selected.prefix_loss``).
 
 Methods (``--methods``), each with the floats its state holds for one prompt row:
 
@@ -71,7 +74,7 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 # Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
-                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len",
+                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len", "loss_tail",
                     "select_scores", "select_keeps", "select_allocations", "select_question")
 
 
@@ -121,6 +124,9 @@ def parse_args(argv=None):
     p.add_argument("--loss-seqs", type=reporting.positive_int, default=4)
     p.add_argument("--loss-len", type=reporting.positive_int, default=None,
                    help="tokens per held-out loss sequence (default: the longest --lengths)")
+    p.add_argument("--loss-tail", type=reporting.positive_int, default=256,
+                   help="with --select-scores: the held-out text after a prefix of the longest --lengths, whose "
+                        "loss each selection of that prefix is scored by")
     p.add_argument("--batch-size", type=reporting.positive_int, default=4)
     p.add_argument("--convert-check", type=reporting.nonnegative_int, default=None, metavar="N",
                    help="convert the first N prompts of each cell and check converted = prompted (default: every "
@@ -138,7 +144,7 @@ def parse_args(argv=None):
         args.select_scores = args.select_scores or ["reconstruction", "expected", "recent"]
         args.select_keeps, args.select_sinks, args.select_window = [0.5], 2, 4
         args.select_allocations = args.select_allocations or ["heads"]
-        args.select_question = True
+        args.select_question, args.loss_tail = True, 16
         args.convert_check = 1 if args.convert_check is None else args.convert_check
     return args
 
@@ -221,6 +227,31 @@ def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
     return selected.selected_rows(records, prompts, keyed=True)
 
 
+def read_filler(tok, longest: int, args):
+    """The --filler stream, more than ``longest`` tokens long."""
+    if args.filler == "classic":
+        return lc.classic_filler(tok, min_tokens=longest + 1)
+    return lc.filler_stream(tok, seed=args.seed, min_tokens=longest + 1, data_dir=args.data_dir)
+
+
+def select_loss(rows, teacher, tv, tok, prog, args) -> dict:
+    """The selection methods on held-out text: each row's prefix (all but its last --loss-tail tokens)
+    selected, the loss of what follows (one record per text, resumable); ``selected.loss_rows``."""
+    prefix = rows.shape[1] - args.loss_tail
+    setting = f"loss-select {prefix}+{args.loss_tail} | {','.join(args.select_scores)} keep " \
+              f"{','.join(f'{k:g}' for k in args.select_keeps)} sinks {args.select_sinks} window {args.select_window}"
+    instruction = tok.encode(selection.REPEAT_INSTRUCTION, add_bos=False)
+    records = []
+    for i, row in enumerate(tqdm(rows, disable=not args.progress, desc="loss selection", leave=False)):
+        done = prog.get(f"{setting} | text {i}")
+        if done is None and args.finished_only:
+            return {}
+        records.append(done or prog.put(f"{setting} | text {i}", selected.prefix_loss(
+            teacher, tv, row, prefix, scores=args.select_scores, keeps=args.select_keeps, sinks=args.select_sinks,
+            window=args.select_window, instruction=instruction, seed=args.seed)))
+    return dict(prefix=prefix, tail=args.loss_tail, methods=selected.loss_rows(records))
+
+
 # ------------------------------------------------------------------------------------ tables
 def tables(report: dict) -> str:
     methods = [m for m in report["methods"] if "@" not in m]  # the selections have a table of their own
@@ -256,6 +287,9 @@ def tables(report: dict) -> str:
         equal = sum(x["answers_equal"] for _, _, x in conv), sum(x["of"] for _, _, x in conv)
         lines += ["", f"Converted = prompted: {equal[0]} of {equal[1]} answers equal; worst float32 relative "
                       f"logit error {worst:.1e} (target 1e-4)."]
+    chosen = report.get("loss_selection")
+    if chosen:
+        lines += ["", selected.loss_table(chosen["methods"], chosen["prefix"], chosen["tail"])]
     loss = report.get("loss")
     if loss:
         buckets = list(next(iter(loss.values()))["by_position"])
@@ -298,8 +332,7 @@ def main(argv=None) -> int:
     teacher, tv, tok, student, sv = load_models(args)
     check_budgets(teacher.cfg, args)
     longest = max(args.lengths + [args.loss_len or 0])
-    filler = (lc.classic_filler(tok, min_tokens=longest + 1) if args.filler == "classic" else
-              lc.filler_stream(tok, seed=args.seed, min_tokens=longest + 1, data_dir=args.data_dir))
+    filler = read_filler(tok, longest, args)
     ms = methods(teacher, tv, student, sv, args)
     # The news filler was the only one before --filler: runs made then resume under it.
     settings = {k: v for k, v in vars(args).items() if not (k == "filler" and v == "news")}
@@ -357,6 +390,12 @@ def main(argv=None) -> int:
             got = got or prog.put(key, linearize.next_token_loss(
                 model, variables, rows, batch_size=1, buckets=(0, 64, 256, 512, 1024, 2048, 4096)))
             report["loss"][name] = {k: v for k, v in got.items() if k != "per_position"}
+        if args.select_scores:  # the text after a selected prefix of the longest length
+            length = max(args.lengths) + args.loss_tail  # a stream of its own: the probes' prompts stay as they were
+            texts = lc.filler_windows(read_filler(tok, length, args), args.loss_seqs, length, seed=[args.seed, 8])
+            chosen = select_loss(texts, teacher, tv, tok, prog, args)
+            if chosen:
+                report["loss_selection"] = chosen
     report["wall_s"] = time.perf_counter() - t0
     reporting.publish(args.out, "long_context", report, tables(report), figure, args.plots)
     return 0

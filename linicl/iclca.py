@@ -637,12 +637,14 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
             POSITION: {"offset": jnp.asarray(n, jnp.int32)}}
 
 
-def keep_only(converted: Variables, kept) -> dict:
+def keep_only(converted: Variables, kept, *, size: Optional[int] = None) -> dict:
     """A whole prompt kept exact, cut down to a selection: ``converted`` from ``convert_approx(model,
     variables, prompt, "none", sinks=n, window=0)`` (every prompt token exact in every head), ``kept:
     bool[len(cfg.global_layers), kv_heads, n]`` (``selection.allocate``). Returns what
     ``convert_approx(..., kernel="none", keep=...)`` stores for that kept set, without running the
-    model again: one conversion of a prompt serves every score and budget."""
+    model again: one conversion of a prompt serves every score and budget. ``size``: pad every head's
+    entries to this many slots' bucket (``selection.kept_entries``; e.g. the prompt's length, so that
+    every cut of one prompt length shares one compiled query); default the longest head's."""
     layers = converted.get(PROMPT_APPROX) if isinstance(converted, Mapping) else None
     if not layers:
         raise LiniclError("keep_only needs convert_approx's variables of the whole prompt kept exact")
@@ -660,7 +662,7 @@ def keep_only(converted: Variables, kept) -> dict:
     if kept.shape != want or kept.dtype != bool:
         raise LiniclError(f"kept must be bool[{want[0]}, {want[1]}, {want[2]}] (global layers, KV heads, prompt "
                           f"tokens), got {kept.dtype}{list(kept.shape)}")
-    index, valid = selection.kept_entries(kept)
+    index, valid = selection.kept_entries(kept, size)
     out = {}
     for i, scope in enumerate(scopes):
         a = layers[scope]["attn"]["approx"]

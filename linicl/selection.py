@@ -370,13 +370,18 @@ def _whole_heads(scores: np.ndarray, kept: np.ndarray, forced: np.ndarray, left:
     return flat.reshape(L, G, n)
 
 
-def kept_entries(kept: np.ndarray) -> tuple:
+def kept_entries(kept: np.ndarray, size: Optional[int] = None) -> tuple:
     """``(index int32[layers, kv_heads, m], valid bool[layers, kv_heads, m])`` from ``kept``: each
-    head's kept token positions in order, padded (index 0, invalid) to ``m``, the longest head's count
-    rounded up to its ``compiled.geometric_bucket``, so that selections of similar sizes share one
-    compiled query program."""
+    head's kept token positions in order, padded (index 0, invalid) to ``m``, the
+    ``compiled.geometric_bucket`` of ``size`` (default: the longest head's count), so that selections
+    of similar sizes share one compiled query program. A fixed ``size`` (e.g. the prompt's length)
+    gives every selection of a prompt length one shape: an evaluation of many scores and budgets then
+    compiles its query once (padding costs query time, not stored information)."""
     counts = kept.sum(-1)
-    m = compiled.geometric_bucket(max(int(counts.max()), 1))
+    longest = max(int(counts.max()), 1)
+    if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < longest):
+        raise LiniclError(f"size must be an int >= the most tokens a head keeps ({longest}), got {size!r}")
+    m = compiled.geometric_bucket(longest if size is None else int(size))
     index = np.zeros(kept.shape[:2] + (m,), np.int32)
     valid = np.arange(m)[None, None, :] < counts[..., None]
     for l in range(kept.shape[0]):

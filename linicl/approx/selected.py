@@ -8,6 +8,11 @@ each score computed once (``selection.score_prompt``), then for every (score, bu
 question. ``selected_rows`` gathers the prompts of a cell into one ``scored_row`` per method, named
 ``"<score>@<keep>"`` (``method_name``). Each budget's "recent" method is StreamingLLM at that budget:
 the sliding window (with sinks) holding exactly as many floats.
+
+``prefix_loss`` does one held-out text: its first tokens converted under every (score, budget), and the
+next-token loss of the text that follows them, read alone after the kept entries, against the whole
+prefix kept exact (the prompted model) and against no prefix at all; ``loss_rows`` pools the texts
+with paired intervals and ``loss_table`` writes them.
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ from linicl import iclca, selection, stats
 from linicl.data import long_context as lc
 from linicl.errors import LiniclError
 from linicl.evaluate import greedy_answers, normalise_answer
+from linicl.linearize.quality import next_token_loss
 from linicl.names import ALLOCATIONS, POSITIONLESS_SCORES, SELECTION_SCORES
 from linicl.reporting import markdown_table
 
-__all__ = ["QUESTION", "method_name", "select_prompt", "selected_rows", "selection_table", "plot_budgets"]
+__all__ = ["QUESTION", "FULL", "NO_PREFIX", "method_name", "select_prompt", "selected_rows", "selection_table",
+           "plot_budgets", "prefix_loss", "loss_rows", "loss_table"]
 
 # SnapKV observing the real question (its original, query-aware form): a reference for what attention
 # can select when the query is known. Not a conversion: a converted prompt never sees its later query.
 QUESTION = "snapkv+question"
+# prefix_loss's references: the whole prefix kept exact (the prompted model) and no prefix at all.
+FULL, NO_PREFIX = "full", "no prefix"
 
 
 def method_name(score: str, keep, allocation: Optional[str] = None) -> str:
@@ -88,7 +97,7 @@ def select_prompt(model, variables, prompt, tokenizer, *, scores: Sequence[str],
             name = method_name(score, keep, allocation)
             kept = selection.allocate(got, selection.token_budget(cfg, n, keep), sinks=sinks, window=window,
                                       allocation=allocation)
-            conv = iclca.keep_only(whole, kept)
+            conv = iclca.keep_only(whole, kept, size=n)  # one query shape for every score and budget
             out["answers"][name] = greedy_answers(model, conv, tokenizer, [question], max_new=max_new,
                                                   common=dict(batch_size=1, progress=False))[0]
             out["floats"][name] = iclca.stored_floats(conv)["kept"]
@@ -181,3 +190,83 @@ def plot_budgets(ax_row, cells: Mapping[str, Mapping], scores: Sequence[str], ke
                title=f"{cells[key]['probe']} {cells[key]['tokens']} tokens", ylim=(-0.02, 1.02))
     if keys:
         ax_row[0].legend(fontsize=7)
+
+
+def _continuation_nll(model, variables, continuation: np.ndarray) -> float:
+    """Mean next-token NLL (nats) of ``continuation[1:]`` read after what ``variables`` hold."""
+    return next_token_loss(model, variables, continuation[None], batch_size=1, buckets=(0,))["mean"]
+
+
+def prefix_loss(model, variables, row, prefix: int, *, scores: Sequence[str], keeps: Sequence, sinks: int = 4,
+                window: int = 16, instruction=None, chunk: int = 512, seed: int = 0) -> dict:
+    """One held-out text ``row: int[prefix + t]`` (t >= 2): its first ``prefix`` tokens converted under
+    every (score, budget) of ``scores`` x ``keeps`` (each score once, ``selection.score_prompt``; its
+    default allocation; the ``sinks`` first and ``window`` last prefix tokens always kept; the rest
+    dropped), and the mean next-token NLL of the t - 1 later tokens the continuation predicts from
+    itself, read alone after what was kept. Returns ``dict(nll={method: nats}, floats={method: kept
+    floats}, seconds={"prefill": the whole conversion, score: its pass})`` with the methods
+    ``method_name(score, keep)``, ``FULL`` (the whole prefix exact: the prompted model) and
+    ``NO_PREFIX`` (the continuation alone: what the prefix is worth)."""
+    _check(scores, keeps)
+    row = np.asarray(row)
+    if row.ndim != 1 or not np.issubdtype(row.dtype, np.integer):
+        raise LiniclError(f"row must be int[prefix + t], got {row.dtype}{list(row.shape)}")
+    if isinstance(prefix, bool) or not isinstance(prefix, (int, np.integer)) or not 0 < prefix <= len(row) - 2:
+        raise LiniclError(f"prefix must be an int in [1, len(row) - 2 = {len(row) - 2}] (the continuation "
+                          f"needs two tokens to predict one), got {prefix!r}")
+    ctx, cont = row[:prefix].astype(np.int32), row[prefix:].astype(np.int32)
+    t0 = time.perf_counter()
+    whole = iclca.convert_approx(model, variables, jnp.asarray(ctx)[None], "none", sinks=prefix, window=0)
+    seconds = {"prefill": time.perf_counter() - t0}
+    out = dict(nll={FULL: _continuation_nll(model, whole, cont), NO_PREFIX: _continuation_nll(model, variables, cont)},
+               floats={FULL: iclca.stored_floats(whole)["kept"], NO_PREFIX: 0}, seconds=seconds)
+    for score in scores:
+        t0 = time.perf_counter()
+        got = selection.score_prompt(model, variables, ctx, score, chunk=chunk, sinks=sinks,
+                                     instruction=instruction if score == "reconstruction" else None, seed=seed)
+        seconds[score] = time.perf_counter() - t0
+        for keep in keeps:
+            name = method_name(score, keep)
+            kept = selection.allocate(got, selection.token_budget(model.cfg, prefix, keep), sinks=sinks,
+                                      window=window, allocation=selection.default_allocation(score))
+            conv = iclca.keep_only(whole, kept, size=prefix)  # one query shape for every score and budget
+            out["nll"][name] = _continuation_nll(model, conv, cont)
+            out["floats"][name] = iclca.stored_floats(conv)["kept"]
+    return out
+
+
+def loss_rows(records: Sequence[Mapping]) -> dict:
+    """``{method: row}`` over the texts' ``prefix_loss`` records: ``mean`` NLL (nats), ``per_text``,
+    ``n``, ``state_floats`` (the largest), and the paired mean differences (95 % bootstrap over texts)
+    ``vs_full`` (against the whole prefix; the target reads it) and, for a selection, ``vs_recent``
+    (against the sliding window of the same floats)."""
+    if not records:
+        raise LiniclError("loss_rows needs at least one prefix_loss record")
+    per = {m: np.asarray([r["nll"][m] for r in records]) for m in records[0]["nll"]}
+    rows = {}
+    for m, x in per.items():
+        row = dict(mean=float(x.mean()), per_text=x.tolist(), n=len(x),
+                   state_floats=int(max(r["floats"][m] for r in records)))
+        if m != FULL:
+            row["vs_full"] = list(stats.paired_bootstrap(x, per[FULL]))
+        recent = f"recent@{m.split('@')[1]}" if "@" in m else None
+        if recent in per and recent != m:
+            row["vs_recent"] = list(stats.paired_bootstrap(x, per[recent]))
+        rows[m] = row
+    return rows
+
+
+def loss_table(rows: Mapping[str, Mapping], prefix: int, tokens: int) -> str:
+    """Markdown: each method's mean NLL of the text after a ``prefix``-token prefix (``tokens``
+    continuation tokens), its difference from the whole prefix and from the equal-float window."""
+    def iv(d):
+        return "-" if d is None else f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]"
+    body = [[m, f"{r['mean']:.3f}", iv(r.get("vs_full")), iv(r.get("vs_recent")), f"{r['state_floats']:,}"]
+            for m, r in rows.items()]
+    n = max(r["n"] for r in rows.values())
+    return "\n".join([
+        f"Next-token loss (nats) of the {tokens} tokens after a {prefix}-token prefix kept by each selection, "
+        f"n={n} texts; paired differences with 95 % bootstrap intervals against the whole prefix ('{FULL}', the "
+        f"prompted model) and against 'recent' at the same budget (the equal-float window); '{NO_PREFIX}': the "
+        "text read with no prefix.", "",
+        markdown_table(["method", "loss", "vs full", "vs recent", "kept floats"], body)])

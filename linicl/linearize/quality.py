@@ -16,7 +16,8 @@ from linicl.errors import LiniclError
 
 def _nll_fn(model):
     def nll(variables, tokens):
-        logits = model.apply(variables, tokens)[:, :-1].astype(jnp.float32)
+        logits = model.apply(variables, tokens)[:, :-1]
+        logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # bf16 -> f32; f64 stays
         lp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]  # [b, T - 1]
     return compiled.get(("linearize.nll", model), lambda: jax.jit(nll))

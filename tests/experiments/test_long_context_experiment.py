@@ -65,6 +65,13 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     assert max(windows) <= student < max(windows) + sizes["softmax"] / 288  # the equal window: within a token
     assert sizes[cached[0]] <= student  # the window + cache fits the student's state too
     assert set(report["loss"]) == set(methods) - set(oracle) - set(chosen)
+    after = report["loss_selection"]  # the text after a selected 288-token prefix (--quick: 16 tokens)
+    assert (after["prefix"], after["tail"]) == (288, 16)
+    assert set(after["methods"]) == {"full", "no prefix", "reconstruction@0.5", "expected@0.5", "recent@0.5"}
+    assert "vs_full" not in after["methods"]["full"] and "vs_recent" in after["methods"]["expected@0.5"]
+    assert all(0 < r["state_floats"] <= 0.5 * after["methods"]["full"]["state_floats"] for m, r in
+               after["methods"].items() if "@" in m)
+    assert "after a 288-token prefix" in report["table"]
     assert "Selection at conversion" in report["table"] and "| passkey | 288 | recent (uniform) |" in report["table"]
     assert all(math.isfinite(x) for x in json_numbers(report))
     assert (tmp_path / "long_context.png").exists()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import linicl
-from linicl import iclca, interventions as I, selection
+from linicl import compiled, iclca, interventions as I, selection
 from linicl.kernels import kv_scores
 from linicl.names import SELECTION_SCORES
 from helpers import BASELINE_MIN, EXACT_RTOL, init, rel_err
@@ -16,11 +16,20 @@ from helpers import BASELINE_MIN, EXACT_RTOL, init, rel_err
 N = 29  # prompt tokens
 
 
-@pytest.fixture(scope="module", params=["tiny-softmax-rope-gqa", "tiny-gpt2"])
+# Gemma 3 at toy size: local (sliding-window) layers around a global one, qk-norm, a query scale and
+# grouped heads. Only the global layer selects; the local layers keep their exact windows.
+GEMMA3 = linicl.ModelConfig(attention="softmax", n_layers=3, layer_types=("local", "global", "local"), vocab_size=23,
+                            d_model=16, n_heads=4, n_kv_heads=2, d_ff=24, positions="rope", rope_style="half",
+                            norm="sandwich", norm_type="gemma_rmsnorm", qk_norm=True, query_pre_attn_scalar=5.0,
+                            scale_embeddings=True, mlp="gated", activation="gelu_tanh", use_bias=False,
+                            sliding_window=4, rope_local_base=100.0, dtype="float64")
+TINY = {"tiny-softmax-rope-gqa": linicl.preset("tiny-softmax-rope", dtype="float64", n_kv_heads=2),
+        "tiny-gpt2": linicl.preset("tiny-gpt2", dtype="float64"), "tiny-gemma3": GEMMA3}
+
+
+@pytest.fixture(scope="module", params=list(TINY))
 def tiny(request):
-    name = request.param
-    cfg = (linicl.preset("tiny-softmax-rope", dtype="float64", n_kv_heads=2) if name.endswith("gqa")
-           else linicl.preset(name, dtype="float64"))
+    cfg = TINY[request.param]
     model, variables = init(cfg, 0)
     rng = np.random.default_rng(1)
     return model, variables, rng.integers(0, cfg.vocab_size, N), rng.integers(0, cfg.vocab_size, (2, 5))
@@ -166,6 +175,12 @@ def test_the_budget_counts_every_stored_float(tiny):
     full = len(cfg.global_layers) * cfg.kv_heads * N * 2 * cfg.head_dim
     conv = iclca.convert_approx(model, variables, prompt[None], "none", keep=0.5, score="h2o", sinks=1, window=2)
     assert iclca.stored_floats(conv)["kept"] <= 0.5 * full
+    # local layers (Gemma 3) keep their exact windows, once per KV head, counted apart from the budget
+    windows = [x["attn"] for x in conv.get("prompt_state", {}).values()]
+    assert len(windows) == cfg.n_layers - len(cfg.global_layers)
+    assert all(w["win_k"].shape[1:3] == w["win_v"].shape[1:3] == (cfg.kv_heads, cfg.sliding_window - 1) for w in windows)
+    assert iclca.stored_floats(conv)["local"] == sum(x.size for w in windows for x in jax.tree_util.tree_leaves(w)
+                                                     if x.dtype == np.float64)
     conv = iclca.convert_approx(model, variables, prompt[None], "elu+1", keep=0.9, score="h2o", sinks=1, window=2)
     floats = iclca.stored_floats(conv)
     assert floats["kernel"] > 0 and floats["kept"] + floats["kernel"] <= 0.9 * full
@@ -213,6 +228,14 @@ def test_keep_only_cuts_a_whole_conversion_to_the_same_selection(tiny):
                               allocation="global")
     cut = iclca.keep_only(whole, kept)
     assert rel_err(model.apply(cut, jnp.asarray(query)), model.apply(direct, jnp.asarray(query))) == 0
+    # padded to the prompt's length: one shape for every cut of this prompt, the same outputs
+    padded = iclca.keep_only(whole, kept, size=N)
+    a = padded["prompt_approx"][f"layers_{model.cfg.global_layers[0]}"]["attn"]["approx"]
+    assert a.sink_k.shape[2] == a.sink_pos.shape[-1] == compiled.geometric_bucket(N) > kept.sum(-1).max()
+    assert rel_err(model.apply(padded, jnp.asarray(query)), model.apply(direct, jnp.asarray(query))) <= EXACT_RTOL
+    assert iclca.stored_floats(padded) == iclca.stored_floats(cut)  # padding is not information
+    with pytest.raises(linicl.LiniclError, match="size must be an int >= the most tokens a head keeps"):
+        iclca.keep_only(whole, kept, size=int(kept.sum(-1).max()) - 1)
     assert iclca.stored_floats(cut) == iclca.stored_floats(direct)
     with pytest.raises(linicl.LiniclError, match="converted whole and exact"):
         iclca.keep_only(direct, kept)

@@ -1,0 +1,65 @@
+"""linicl.approx.selected: the loss of held-out text after a selected prefix. The whole budget is the
+prompted model's own loss (float64, <= 1e-12), no prefix is far from it, and the pooled rows carry
+paired differences against the whole prefix and the equal-float window; bad input is named."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linicl
+from linicl.approx import selected
+from linicl.errors import LiniclError
+from helpers import init, tokens
+
+CFG = linicl.ModelConfig(attention="softmax", positions="rope", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2,
+                         vocab_size=32, dtype="float64")
+
+
+def _prompted_nll(model, variables, row: np.ndarray, prefix: int) -> float:
+    """The plain model's mean NLL of row[prefix + 1:] read after all of row: the reference."""
+    lp = jax.nn.log_softmax(model.apply(variables, jnp.asarray(row)[None])[0], -1)
+    targets = np.arange(prefix + 1, len(row))
+    return float(-np.mean(np.asarray(lp)[targets - 1, row[targets]]))
+
+
+def test_prefix_loss_whole_budget_is_the_prompted_model_and_no_prefix_is_not():
+    model, variables = init(CFG, 0)
+    row = np.asarray(tokens(3, 1, 30, 32))[0]
+    got = selected.prefix_loss(model, variables, row, 20, scores=["h2o", "recent"], keeps=[1.0, 0.5], sinks=1,
+                               window=2)
+    nll, ref = got["nll"], _prompted_nll(model, variables, row, 20)
+    assert abs(nll["full"] - ref) <= 1e-12 * ref
+    assert abs(nll["h2o@1"] - ref) <= 1e-12 * ref and abs(nll["recent@1"] - ref) <= 1e-12 * ref
+    assert abs(nll["no prefix"] - ref) > 1e-3 * ref                 # power: the prefix changes the loss
+    assert abs(nll["recent@0.5"] - ref) > 1e-6 * ref                 # half the prefix dropped
+    kv = 2 * CFG.n_layers * 2 * 20 * CFG.head_dim                     # layers, KV heads, tokens, keys + values
+    assert got["floats"]["full"] == got["floats"]["h2o@1"] == kv and got["floats"]["no prefix"] == 0
+    assert got["floats"]["recent@0.5"] == kv // 2
+    assert set(got["seconds"]) == {"prefill", "h2o", "recent"}
+
+
+def test_loss_rows_pair_each_selection_with_the_whole_prefix_and_its_window():
+    records = [dict(nll={"full": 1.0 + i, "no prefix": 2.0 + i, "h2o@0.5": 1.5 + i, "recent@0.5": 1.75 + i},
+                     floats={"full": 8, "no prefix": 0, "h2o@0.5": 4, "recent@0.5": 4}) for i in range(3)]
+    rows = selected.loss_rows(records)
+    assert rows["full"]["mean"] == 2.0 and "vs_full" not in rows["full"] and rows["h2o@0.5"]["n"] == 3
+    assert rows["h2o@0.5"]["vs_full"] == pytest.approx([0.5, 0.5, 0.5])
+    assert rows["h2o@0.5"]["vs_recent"] == pytest.approx([-0.25, -0.25, -0.25])
+    assert "vs_recent" not in rows["recent@0.5"] and "vs_recent" not in rows["no prefix"]
+    text = selected.loss_table(rows, 20, 10)
+    assert "after a 20-token prefix" in text and "| h2o@0.5 | 2.500 | +0.500 [+0.500, +0.500] | -0.250" in text
+    with pytest.raises(LiniclError, match="at least one"):
+        selected.loss_rows([])
+
+
+def test_prefix_loss_names_bad_input():
+    model, variables = init(CFG, 0)
+    row = np.asarray(tokens(3, 1, 30, 32))[0]
+    for prefix in (0, 29, True, 2.5):
+        with pytest.raises(LiniclError, match="prefix must be"):
+            selected.prefix_loss(model, variables, row, prefix, scores=["recent"], keeps=[0.5], sinks=1, window=1)
+    with pytest.raises(LiniclError, match="row must be"):
+        selected.prefix_loss(model, variables, row[None], 20, scores=["recent"], keeps=[0.5], sinks=1, window=1)
+    with pytest.raises(LiniclError, match="scores must be"):
+        selected.prefix_loss(model, variables, row, 20, scores=["nope"], keeps=[0.5], sinks=1, window=1)
