@@ -71,7 +71,8 @@ def decode_state(model, variables, n_tokens: int, seed: int) -> dict:
     prompt, last = jnp.asarray(ids[:, :-1], jnp.int32), jnp.asarray(ids[:, -1:], jnp.int32)
     _, state = jax.jit(lambda v, t: model.apply(v, t, mutable=[DECODE]))(variables, prompt)
     _, state = jax.jit(lambda v, s, t: model.apply({**v, **s}, t, mutable=[DECODE]))(variables, state, last)
-    return state[DECODE]
+    # waited for: the floats are counted from shapes alone, and the peak memory must include the passes
+    return jax.block_until_ready(state[DECODE])
 
 
 def main(argv=None) -> int:
