@@ -118,6 +118,22 @@ EXPERIMENTS = {
         plots=["accuracy.png", "kl.png"],
         reference="ICLCA (iclca.md section 7) describes the kernel approximation and its synthetic test; "
                   "it publishes no numbers for a pretrained LM."),
+    "approx_selection": dict(
+        title="Selection at conversion on short prompts: 8-shot word tasks on SmolLM2, one kept set for every query",
+        cmd=["experiments/approx_conversion.py", "--resume"], quick=["--quick"],
+        full=["--tasks", "antonym", "capitalize", "country-capital", "country-currency", "english-french",
+              "english-spanish", "landmark-country", "national_parks", "next_item", "person-instrument",
+              "person-occupation", "present-past", "prev_item", "singular-plural", "synonym", "--k", "8",
+              "--n-eval", "32", "--kernels", "--lsq-kernels", "--sinks", "0", "--mix", "-1",
+              "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
+              "--select-keeps", "0.1", "0.25", "0.5", "--synthetic-pairs", "0"],
+        json="approx_conversion.json", plots=["accuracy.png"],
+        note="every open-ended word task of the data directory, 8 demonstrations (65-110 tokens) converted once "
+             "with a selection of their exact keys and values (2 sinks and the last 4 tokens always kept) and the "
+             "32 test queries read alone after it; 'recent' at each budget is the sliding window of the same floats.",
+        reference="KVzip (arXiv 2505.23416) and Expected Attention (arXiv 2510.00636) report long-context "
+                  "benchmarks, not few-shot prompts; issue 53's target: >= 0.95 of the pooled few-shot gain at "
+                  "<= 25 % of the prompt's KV."),
     "approx_conversion_gemma3": dict(
         title="Approximate conversion of softmax prompts on Gemma 3 270M (global layers approximated, local windows exact)",
         cmd=["experiments/approx_conversion.py", "--model", "gemma3", "--resume"], quick=["--quick"],

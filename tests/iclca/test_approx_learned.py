@@ -154,6 +154,28 @@ def test_a_prompt_kept_as_sinks_is_the_prompted_teacher(teacher):
     assert rel_err(jnp.concatenate(outs, axis=1), target) <= EXACT_RTOL
 
 
+def test_a_student_keeps_selected_entries_beside_its_kernel_terms(teacher):
+    """A selection with the student's maps: what a KV head keeps stays exact, what it drops goes into
+    the kernel terms. Keeping the sinks and the last tokens by selection ("recent", tokens per KV head)
+    is the conversion that keeps them by ``sinks``/``window``: two code paths, one answer. A selection
+    by the prompt's own attention keeps other tokens, within the budget, and reads differently."""
+    model, variables = teacher
+    cfg = model.cfg
+    maps = _random_maps(_student(teacher, 4, 1)[1], seed=5)
+    n = 12
+    prompt, query = tokens(31, 1, n, cfg.vocab_size), tokens(32, 2, 5, cfg.vocab_size)
+    direct = iclca.convert_approx(model, variables, prompt, kernel="learned", maps=maps, sinks=1, window=3)
+    chosen = iclca.convert_approx(model, variables, prompt, kernel="learned", maps=maps, keep=4, score="recent",
+                                  sinks=1, window=3)
+    assert rel_err(apply(model, chosen, query), apply(model, direct, query)) <= EXACT_RTOL
+    by_attention = iclca.convert_approx(model, variables, prompt, kernel="learned", maps=maps, keep=6, score="h2o",
+                                        sinks=1, window=3)
+    floats = iclca.stored_floats(by_attention)
+    assert floats["kernel"] == iclca.stored_floats(direct)["kernel"] > 0  # the same maps, other weights
+    assert floats["kept"] == cfg.n_layers * cfg.kv_heads * 6 * 2 * cfg.head_dim
+    assert rel_err(apply(model, by_attention, query), apply(model, direct, query)) >= BASELINE_MIN
+
+
 @pytest.mark.parametrize("window, sinks", [(4, 1), (1, 2), (6, 0)])
 def test_with_the_students_sinks_and_window_the_first_query_token_reads_the_student(window, sinks):
     """On one layer the teacher and its student see the same q, k, v, so converting the prompt with the
