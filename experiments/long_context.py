@@ -74,8 +74,8 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 # Settings a cell's key already names (probe, length, method), so that a run with more lengths, probes
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
-                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len", "loss_tail",
-                    "select_scores", "select_keeps", "select_allocations", "select_question")
+                    "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len",
+                    "loss_tail", "select_scores", "select_keeps", "select_allocations", "select_question")
 
 
 def parse_args(argv=None):

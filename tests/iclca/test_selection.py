@@ -178,7 +178,8 @@ def test_the_budget_counts_every_stored_float(tiny):
     # local layers (Gemma 3) keep their exact windows, once per KV head, counted apart from the budget
     windows = [x["attn"] for x in conv.get("prompt_state", {}).values()]
     assert len(windows) == cfg.n_layers - len(cfg.global_layers)
-    assert all(w["win_k"].shape[1:3] == w["win_v"].shape[1:3] == (cfg.kv_heads, cfg.sliding_window - 1) for w in windows)
+    assert all(w["win_k"].shape[1:3] == w["win_v"].shape[1:3] == (cfg.kv_heads, cfg.sliding_window - 1)
+               for w in windows)
     assert iclca.stored_floats(conv)["local"] == sum(x.size for w in windows for x in jax.tree_util.tree_leaves(w)
                                                      if x.dtype == np.float64)
     conv = iclca.convert_approx(model, variables, prompt[None], "elu+1", keep=0.9, score="h2o", sinks=1, window=2)
