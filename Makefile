@@ -41,8 +41,11 @@ venv-docs: $(VENV)/.docs
 demo: venv
 	$(VENV)/bin/linicl verify --out results
 
+# Every test's time, compiles and each process's peak memory go to .test-times/ (tools/test_times.py
+# prints where the time went).
 test: venv-test
-	$(PY) -m pytest -n auto --dist loadgroup
+	rm -rf .test-times
+	LINICL_TEST_TIMES=.test-times $(PY) -m pytest -n auto --dist loadgroup
 
 # The API pages (docs/api/) follow the package's modules (tools/gen_api_docs.py; tests/test_docs.py checks
 # they are up to date). --strict: a broken link or reference, or a docstring warning, fails the build.

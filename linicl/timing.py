@@ -120,6 +120,7 @@ def matmul_peer(cfg, batch: int, seq: int, seed: int = 0):
 _COMPILE_DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
                       "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
                       "/jax/core/compile/backend_compile_duration": "backend_s"}
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits",
                  "/jax/compilation_cache/cache_misses": "cache_misses"}
 
@@ -129,8 +130,8 @@ class CompileMeter:
     cache's hits and misses between ``start()`` and ``read()``.
 
     ``read()`` gives ``trace_s`` (Python tracing), ``lower_s`` (lowering to StableHLO), ``backend_s``
-    (XLA compile, or loading from the persistent cache), ``compile_s`` (their sum), ``cache_hits`` and
-    ``cache_misses``. JAX offers no way to unregister a listener, so each meter listens for the rest of
+    (XLA compile, or loading from the persistent cache), ``compile_s`` (their sum), ``programs`` (the
+    executables built: one backend compile or cache load each), ``cache_hits`` and ``cache_misses``. JAX offers no way to unregister a listener, so each meter listens for the rest of
     the process: make one per process (a benchmark's child), not one per measurement.
     """
 
@@ -145,6 +146,7 @@ class CompileMeter:
     def _duration(self, event, seconds, **_):
         if event in _COMPILE_DURATIONS:
             self.totals[_COMPILE_DURATIONS[event]] += seconds
+            self.totals["programs"] += event == _BACKEND_COMPILE
 
     def _event(self, event, **_):
         if event in _CACHE_EVENTS:
@@ -158,6 +160,7 @@ class CompileMeter:
         """The totals since ``start()`` (see the class)."""
         out = {name: float(self.totals[name]) for name in _COMPILE_DURATIONS.values()}
         out["compile_s"] = sum(out.values())
+        out["programs"] = int(self.totals["programs"])
         out.update({name: int(self.totals[name]) for name in _CACHE_EVENTS.values()})
         return out
 

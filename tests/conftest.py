@@ -56,3 +56,47 @@ def data_env(monkeypatch):
     root = data_dir()
     monkeypatch.setenv("LINICL_DATA_DIR", str(root))
     return root
+
+
+# --------------------------------------------------------------------------- where the time goes
+# With LINICL_TEST_TIMES=<folder> (``make test`` sets it), every test process appends one JSON line per
+# test to <folder>/<worker>.jsonl: its wall time (setup, call and teardown) and the XLA programs it built
+# with their compile seconds (``linicl.timing.CompileMeter``; programs built in a subprocess a test starts
+# are not seen), then the process's peak resident memory. ``python tools/test_times.py`` reads them.
+_TIMES_DIR = os.environ.get("LINICL_TEST_TIMES")
+
+
+def _times_file():
+    return os.path.join(_TIMES_DIR, os.environ.get("PYTEST_XDIST_WORKER", "main") + ".jsonl")
+
+
+def _append(record: dict) -> None:
+    import json
+    with open(_times_file(), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if _TIMES_DIR:
+    import time as _time
+
+    from linicl.timing import CompileMeter
+
+    _METER = CompileMeter()
+
+    def pytest_sessionstart(session):
+        os.makedirs(_TIMES_DIR, exist_ok=True)
+        _append({"event": "start", "t": _time.time()})
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _METER.start()
+        t0 = _time.perf_counter()
+        yield
+        c = _METER.read()
+        _append({"test": item.nodeid, "s": _time.perf_counter() - t0, "compile_s": c["compile_s"],
+                 "programs": c["programs"]})
+
+    def pytest_sessionfinish(session):
+        import resource
+        _append({"event": "finish", "t": _time.time(),
+                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})

@@ -43,13 +43,14 @@ def test_the_compile_meter_splits_the_first_call_from_the_second():
     fn = jax.jit(lambda a: jnp.sin(a) * 3.0 + a @ a.T)  # a new function: its first call compiles
     x = jnp.ones((5, 5))
     row = first_and_second_call(meter, lambda: fn(x))
-    assert set(row) == {"first_call_s", "trace_s", "lower_s", "backend_s", "compile_s", "cache_hits",
+    assert set(row) == {"first_call_s", "trace_s", "lower_s", "backend_s", "compile_s", "programs", "cache_hits",
                         "cache_misses", "run_s"}
+    assert row["programs"] == 1
     assert row["trace_s"] > 0 and row["compile_s"] == pytest.approx(row["trace_s"] + row["lower_s"] + row["backend_s"])
     assert row["first_call_s"] >= row["compile_s"] and row["run_s"] >= 0
     meter.start()
     jax.block_until_ready(fn(x))  # compiled already: nothing is counted
-    assert meter.read()["compile_s"] == 0 and meter.read()["cache_misses"] == 0
+    assert meter.read()["compile_s"] == 0 and meter.read()["cache_misses"] == 0 and meter.read()["programs"] == 0
 
 
 def test_first_and_second_call_refuses_a_non_callable():
