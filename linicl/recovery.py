@@ -99,7 +99,9 @@ def recovery(correct: Mapping[str, Mapping], variants: Sequence[str]) -> dict:
     ``k``), ``per_task_pooled`` (``compare`` of ``pooled`` per task with any k), ``passing`` ({variant:
     tasks with a significant gain where it recovers >= half}), ``best_variant``/``tied_variants``
     (``best_variant``), ``best_mean_fraction``, ``needed`` (ceil(tasks / 2)), ``target_met``, ``per_k``
-    (the same at each k) and the ``definition`` (``DEFINITION``)."""
+    (the same at each k), ``across_tasks`` (``compare`` of every task's (query, k) pairs pooled: the
+    gain over all tasks and the share of it each variant keeps; None without tasks) and the
+    ``definition`` (``DEFINITION``)."""
     per_cell, pool = {}, {}
     for name, by_k in correct.items():
         for k, cell in by_k.items():
@@ -114,10 +116,12 @@ def recovery(correct: Mapping[str, Mapping], variants: Sequence[str]) -> dict:
         return float(np.mean(fs)) if fs else -math.inf
 
     best, tied = best_variant(passes, mean_fraction)
+    tasks = [pooled(list(by_k.values())) for by_k in correct.values() if by_k]
+    across = compare(pooled(tasks), variants) if tasks else None
     need = math.ceil(len(pool) / 2)
     return dict(
         definition=DEFINITION, per_task_k=per_cell, per_task_pooled=pool, tasks=len(pool),
         tasks_with_gain=len(with_gain), passing=passes, best_variant=best, tied_variants=tied,
         best_mean_fraction=None if best is None or not math.isfinite(mean_fraction(best)) else mean_fraction(best),
         needed=need, target_met=bool(with_gain) and max(map(len, passes.values()), default=0) >= need,
-        per_k=_per_k(per_cell, variants))
+        per_k=_per_k(per_cell, variants), across_tasks=across)

@@ -92,7 +92,7 @@ def tables(report: dict) -> str:
     gain = table(["task", "zero", "prompt", "gain"] + variants, [
         [t, _fmt(100 * p["zero"], ".1f"), _fmt(100 * p["prompt"], ".1f"),
          fmt_iv(p["gain"]) + ("" if p["significant"] else " (n.s.)")] + [fmt_recovered(p, v) for v in variants]
-        for t, p in rec["per_task_pooled"].items()])
+        for t, p in list(rec["per_task_pooled"].items()) + [("all tasks pooled", rec.get("across_tasks"))] if p])
     lines = ["Accuracy in % with 95 % Wilson intervals (label-restricted for classification, first content "
              f"token for word tasks; {CONSTANT_MARK}: the same prediction for every query):", "", acc,
              "", "Method minus prompted model, accuracy points on the same queries (paired bootstrap 95 %):", "",

@@ -71,6 +71,8 @@ def test_recovery_fraction_target_and_ties():
     rec = recovery.recovery({"a": {"1": _correct("prompt"), "4": _correct("zero")}, "b": {"1": _correct("prompt")}},
                             ["v"])
     assert rec["per_task_pooled"]["a"]["fraction"]["v"]["value"] == pytest.approx(0.5)   # pooled over k
+    assert rec["across_tasks"]["fraction"]["v"]["value"] == pytest.approx(2 / 3)          # and over tasks
+    assert recovery.recovery({}, ["v"])["across_tasks"] is None
     assert rec["passing"] == {"v": ["a", "b"]} and rec["best_variant"] == "v" and rec["target_met"]
     assert rec["per_k"]["4"]["target_met"] is False and rec["definition"] == recovery.DEFINITION
     assert recovery.best_variant({"x": ["a"], "y": ["a"]}, lambda v: 0.7) == (None, ["x", "y"])
