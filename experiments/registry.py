@@ -328,6 +328,16 @@ EXPERIMENTS = {
              "selection_vs_kvpress benchmark).",
         reference="KVzip (arXiv 2505.23416): needle retrieval 100 % at 10 % of the KV on 7-8B models "
                   "(compression.md; their figures, not re-measured)."),
+    "long_context_classic_4k": dict(
+        title="Long prompts kept by selection at 4,096 tokens: the original passkey haystack (SmolLM2)",
+        cmd=["experiments/long_context.py", "--resume", "--filler", "classic"], quick=["--quick"],
+        full=["--lengths", "4096", "--n", "28", "--probes", "passkey", "--methods", "softmax",
+              "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
+              "--select-keeps", "0.02", "0.05", "0.1", "--convert-check", "0"],
+        json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
+        note="long_context_classic's selections at 4,096 tokens (passkey only).",
+        reference="KVzip (arXiv 2505.23416): needle retrieval 100 % at 10 % of the KV on 7-8B models "
+                  "(compression.md; their figures, not re-measured)."),
     "long_context_selection_loss": dict(
         title="Text after a compressed 2,048-token prefix: its next-token loss under each selection (SmolLM2)",
         cmd=["experiments/long_context.py", "--resume"], quick=["--quick"],
