@@ -63,3 +63,27 @@ def test_prefix_loss_names_bad_input():
         selected.prefix_loss(model, variables, row[None], 20, scores=["recent"], keeps=[0.5], sinks=1, window=1)
     with pytest.raises(LiniclError, match="scores must be"):
         selected.prefix_loss(model, variables, row, 20, scores=["nope"], keeps=[0.5], sinks=1, window=1)
+
+
+def test_every_score_and_budget_of_a_prompt_share_one_compiled_query():
+    """select_prompt pads every cut of a prompt to the prompt's length: once its scores and one budget
+    have run, more budgets build no new XLA program (they built one per kept-set size before)."""
+    import linicl.lm
+    from linicl.data import long_context as lc
+    from linicl.timing import CompileMeter
+    from helpers import FIXTURES
+
+    model, variables, tok = linicl.lm.from_pretrained(FIXTURES / "llama-tiny.gguf", max_len=512)
+    prompt = lc.probe_prompts("passkey", tok, lc.classic_filler(tok, min_tokens=400), 320, 1, seed=0)[0]
+    meter = CompileMeter()
+
+    def run(keeps):
+        meter.start()
+        got = selected.select_prompt(model, variables, prompt, tok, scores=["h2o", "recent"], keeps=keeps, sinks=2,
+                                     window=4, max_new=3)
+        return got, meter.read()["programs"]
+    first, built = run([0.5])
+    assert built > 0 and set(first["answers"]) == {"h2o@0.5", "recent@0.5"}
+    more, again = run([0.3, 0.5, 0.7])
+    assert again == 0 and more["answers"]["h2o@0.5"] == first["answers"]["h2o@0.5"]
+    assert more["floats"]["recent@0.3"] < more["floats"]["recent@0.5"] < more["floats"]["recent@0.7"]
