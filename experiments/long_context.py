@@ -75,7 +75,7 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
                     "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len",
-                    "loss_tail", "select_scores", "select_keeps", "select_allocations", "select_question")
+                    "loss_tail", "select_scores", "select_kernels", "select_keeps", "select_allocations", "select_question")
 
 
 def parse_args(argv=None):
@@ -113,6 +113,9 @@ def parse_args(argv=None):
     p.add_argument("--select-question", action="store_true",
                    help=f"also '{selected.QUESTION}': SnapKV observing the real question, the query-aware reference "
                         "(not a conversion: it reads the query)")
+    p.add_argument("--select-kernels", nargs="+", default=[], choices=["learned", "taylor2", "prf", "elu+1"],
+                   help="also each selection with what a head does not keep stored as this kernel's terms, counted in "
+                        "the budget ('learned': the student's maps, --maps); a budget that cannot hold them leaves it out")
     p.add_argument("--select-sinks", type=reporting.nonnegative_int, default=4, help="sinks every selection keeps")
     p.add_argument("--select-window", type=reporting.nonnegative_int, default=16,
                    help="last context tokens every selection keeps")
@@ -145,6 +148,7 @@ def parse_args(argv=None):
         args.select_keeps, args.select_sinks, args.select_window = [0.5], 2, 4
         args.select_allocations = args.select_allocations or ["heads"]
         args.select_question, args.loss_tail = True, 16
+        args.select_kernels = args.select_kernels or ["learned"]
         args.convert_check = 1 if args.convert_check is None else args.convert_check
     return args
 
@@ -204,12 +208,14 @@ def select_scores(settings: dict) -> list:
     return list(settings["select_scores"]) + ([selected.QUESTION] if settings.get("select_question") else [])
 
 
-def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
+def select_cell(key: str, prompts, teacher, tv, tok, prog, args, sv=None) -> dict:
     """The selection methods on one keyed cell: one record per prompt (resumable), then a row per
     ``<score>@<keep>``."""
     setting = f"select {','.join(select_scores(vars(args)))} keep {','.join(f'{k:g}' for k in args.select_keeps)} " \
               f"sinks {args.select_sinks} window {args.select_window}" + \
-              (f" allocations {','.join(args.select_allocations)}" if args.select_allocations else "")
+              (f" allocations {','.join(args.select_allocations)}" if args.select_allocations else "") + \
+              (f" kernels {','.join(args.select_kernels)}" if args.select_kernels else "")
+    kernels = {k: dict(kernel=k, maps=sv) if k == "learned" else dict(kernel=k) for k in args.select_kernels}
     instruction = tok.encode(selection.REPEAT_INSTRUCTION, add_bos=False)
     records = []
     for i, p in enumerate(tqdm(prompts, disable=not args.progress, desc=f"{key} selection", leave=False)):
@@ -222,7 +228,7 @@ def select_cell(key: str, prompts, teacher, tv, tok, prog, args) -> dict:
                 teacher, tv, p, tok, scores=args.select_scores, keeps=args.select_keeps, sinks=args.select_sinks,
                 window=args.select_window, instruction=instruction, seed=args.seed,
                 span=lc.key_line(p) if key.startswith("passkey") else None, allocations=args.select_allocations,
-                question_aware=args.select_question))
+                question_aware=args.select_question, kernels=kernels))
         records.append(done)
     return selected.selected_rows(records, prompts, keyed=True)
 
@@ -271,7 +277,8 @@ def tables(report: dict) -> str:
     if any("selection" in c for c in cells.values()):
         settings = report["settings"]
         lines += ["", selected.selection_table(cells, select_scores(settings), settings["select_keeps"],
-                                              settings.get("select_allocations", []))]
+                                              settings.get("select_allocations", []),
+                                              settings.get("select_kernels", []))]
     sizes = report.get("state_floats", {})
     if sizes:
         lines += ["", "State floats per prompt row at the longest prompt evaluated (students: as stored; windows: the KV of "
@@ -308,7 +315,7 @@ def figure(plt, report: dict):
     if chosen:
         settings = report["settings"]
         selected.plot_budgets(grid[1], report["cells"], select_scores(settings), settings["select_keeps"],
-                              settings.get("select_allocations", []))
+                              settings.get("select_allocations", []), settings.get("select_kernels", []))
     for ax, probe in zip(axes, probes):
         cs = sorted((c for c in report["cells"].values() if c["probe"] == probe), key=lambda c: c["tokens"])
         for m in (m for m in report["methods"] if "@" not in m):
@@ -357,7 +364,7 @@ def main(argv=None) -> int:
             cells[key]["methods"][name] = done
             bar.update()
         if args.select_scores and probe in ("passkey", "kv"):
-            chosen = select_cell(key, prompts, teacher, tv, tok, prog, args)
+            chosen = select_cell(key, prompts, teacher, tv, tok, prog, args, sv)
             if chosen:
                 cells[key]["selection"] = chosen
                 cells[key]["methods"].update(chosen)

@@ -23,7 +23,7 @@ Every submodule is importable as an attribute (``linicl.routing``) and loaded on
 import importlib
 
 from linicl.config import PRESETS, ModelConfig, preset
-from linicl.errors import (ConfigError, DataError, DegenerateInputError, LiniclError, NotExactError,
+from linicl.errors import (BudgetError, ConfigError, DataError, DegenerateInputError, LiniclError, NotExactError,
                            SequenceTooLongError)
 from linicl.generation import generate
 from linicl.nn import Transformer
@@ -51,4 +51,4 @@ def __dir__():
 
 
 __all__ = ["ModelConfig", "PRESETS", "preset", "Transformer", "generate", "LiniclError", "ConfigError",
-           "NotExactError", "SequenceTooLongError", "DegenerateInputError", "DataError", *SUBMODULES]
+           "NotExactError", "SequenceTooLongError", "DegenerateInputError", "BudgetError", "DataError", *SUBMODULES]

@@ -21,6 +21,11 @@ class DegenerateInputError(LiniclError):
     """A theory formula would divide by (nearly) zero for this input."""
 
 
+class BudgetError(LiniclError):
+    """A selection's budget (``keep``) cannot hold what every selection stores: the kernel terms, or
+    the sinks and the window of every head."""
+
+
 class DataError(LiniclError):
     """A data or checkpoint directory, file or line is missing or malformed; the message names the path
     and the fix."""

@@ -455,7 +455,7 @@ def _kernel_floats(cfg: ModelConfig, kernel: str, learned, Ws) -> int:
 
 
 def _select(model, variables, prompt, keep, score, allocation, sinks, window, instruction, chunk, seed,
-            kernel, fit_inputs, form, learned, Ws, scores):
+            kernel, fit_inputs, form, learned, Ws, scores, size):
     """``(kept bool[layers, kv_heads, n], index int32[layers, kv_heads, m], valid bool[...])``: the
     selection of ``convert_approx(keep=...)``."""
     cfg = config_of(model)
@@ -485,7 +485,7 @@ def _select(model, variables, prompt, keep, score, allocation, sinks, window, in
         raise LiniclError(f"scores must be finite f[{want[0]}, {want[1]}, {want[2]}] (global layers, KV heads, "
                           f"prompt tokens: selection.score_prompt of this prompt), got shape {np.shape(scores)}")
     kept = selection.allocate(scores, tokens, sinks=sinks, window=window, allocation=allocation)
-    return (kept,) + selection.kept_entries(kept)
+    return (kept,) + selection.kept_entries(kept, size)
 
 
 def _kept_entries(k, v, index, valid, i: int) -> tuple:
@@ -511,7 +511,7 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
                    seed: int = 0, fit_inputs=None, ridge: float = 1e-6,
                    maps: Optional[Variables] = None, keep=None, score: str = "reconstruction",
                    allocation: Optional[str] = None, instruction=None, chunk: int = 512,
-                   scores=None) -> dict:
+                   scores=None, size: Optional[int] = None) -> dict:
     """Store ``prompt`` as kernel-approximated bias terms in a softmax model (iclca.md, section 7).
 
     The prompt's keys and values are the exact ones of the prompted model (its decode cache); only
@@ -567,6 +567,9 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
         on it).
       scores: ``f[len(cfg.global_layers), kv_heads, n]``, scores already computed for this prompt
         (``selection.score_prompt``: one pass serves several budgets); ``score`` then only names them.
+      size: with ``keep``: pad each KV head's kept entries to this many slots' bucket
+        (``selection.kept_entries``; e.g. the prompt's length, so that conversions of one prompt length
+        share one compiled query); default the longest head's count.
       fit_inputs: optional ``int32[m, t]`` sample inputs. Then (B, b) are not sums over the prompt but
         the least-squares fit, per layer and head, of the prompt's exact numerator and partition at
         the queries the prompted model forms on these inputs (rows weighted by 1 / the query's total
@@ -601,9 +604,11 @@ def convert_approx(model, variables: Variables, prompt, kernel: str = "taylor2",
     Ws = {l: prompt_kernels.prf_projection(jax.random.fold_in(key, l), cfg.n_heads, n_features, cfg.head_dim,
                                            cfg.jnp_dtype) if kernel == "prf" else None for l in cfg.global_layers}
     kept = None
+    if size is not None and keep is None:
+        raise LiniclError("size pads a selection's kept entries: pass it with keep")
     if keep is not None:
         kept = _select(model, variables, prompt, keep, score, allocation, sinks, window, instruction, chunk, seed,
-                       kernel, fit_inputs, form, learned, Ws, scores)
+                       kernel, fit_inputs, form, learned, Ws, scores, size)
     kv, local = _prompt_kv_fn(model)(dict(variables), prompt)
     layers = {}
     lin = slice(sinks, n - window)  # without keep: the linearised prompt tokens; the rest stay exact

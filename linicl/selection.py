@@ -50,7 +50,7 @@ import numpy as np
 
 from linicl import compiled
 from linicl.config import ModelConfig
-from linicl.errors import LiniclError
+from linicl.errors import BudgetError, LiniclError
 from linicl.interventions import sown
 from linicl.kernels import kv_scores
 from linicl.kernels.positions import apply_rope
@@ -314,7 +314,7 @@ def token_budget(cfg: ModelConfig, n: int, keep, *, extra_floats: int = 0) -> in
     full = heads * n * per_token
     left = keep * full - extra_floats
     if left < 0:
-        raise LiniclError(f"keep={keep} allows {keep * full:,.0f} floats, but the kernel terms alone hold "
+        raise BudgetError(f"keep={keep} allows {keep * full:,.0f} floats, but the kernel terms alone hold "
                           f"{extra_floats:,} (the prompt's full KV holds {full:,}); raise keep or pass "
                           f"kernel='none'")
     return min(int(left // per_token), heads * n)
@@ -337,7 +337,7 @@ def allocate(scores: np.ndarray, tokens: int, *, sinks: int, window: int, alloca
     forced[max(n - window, 0):] = True
     need = int(forced.sum()) * L * G
     if tokens < need:
-        raise LiniclError(f"keep allows {tokens} tokens over {L * G} KV heads, fewer than the sinks and the "
+        raise BudgetError(f"keep allows {tokens} tokens over {L * G} KV heads, fewer than the sinks and the "
                           f"window always kept ({need}: sinks={sinks}, window={window} each); raise keep or "
                           f"lower sinks/window")
     kept = np.broadcast_to(forced, scores.shape).copy()

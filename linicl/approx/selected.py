@@ -25,10 +25,10 @@ import numpy as np
 
 from linicl import iclca, selection, stats
 from linicl.data import long_context as lc
-from linicl.errors import LiniclError
+from linicl.errors import BudgetError, LiniclError
 from linicl.evaluate import greedy_answers, normalise_answer
 from linicl.linearize.quality import next_token_loss
-from linicl.names import ALLOCATIONS, POSITIONLESS_SCORES, SELECTION_SCORES
+from linicl.names import ALLOCATIONS, POSITIONLESS_SCORES, PROMPT_APPROX, SELECTION_SCORES
 from linicl.reporting import markdown_table
 
 __all__ = ["QUESTION", "FULL", "NO_PREFIX", "method_name", "select_prompt", "selected_rows", "selection_table",
@@ -41,11 +41,12 @@ QUESTION = "snapkv+question"
 FULL, NO_PREFIX = "full", "no prefix"
 
 
-def method_name(score: str, keep, allocation: Optional[str] = None) -> str:
+def method_name(score: str, keep, allocation: Optional[str] = None, kernel: Optional[str] = None) -> str:
     """``"reconstruction@0.1"``: a score at a budget (a float share of the KV, or an int of tokens per
-    KV head) with the score's default allocation; ``"reconstruction:heads@0.1"`` with another."""
+    KV head) with the score's default allocation; ``"reconstruction:heads@0.1"`` with another;
+    ``"reconstruction@0.1+learned"`` when what is not kept is stored as that kernel's terms."""
     other = allocation is not None and allocation != selection.default_allocation(score)
-    return f"{score}{':' + allocation if other else ''}@{keep:g}"
+    return f"{score}{':' + allocation if other else ''}@{keep:g}" + (f"+{kernel}" if kernel else "")
 
 
 def _allocations(score: str, allocations: Sequence[str]) -> list:
@@ -67,7 +68,7 @@ def _check(scores: Sequence[str], keeps: Sequence) -> None:
 def select_prompt(model, variables, prompt, tokenizer, *, scores: Sequence[str], keeps: Sequence,
                   sinks: int = 4, window: int = 16, instruction=None, max_new: int = 8, chunk: int = 512,
                   seed: int = 0, span: Optional[tuple] = None, allocations: Sequence[str] = (),
-                  question_aware: bool = False) -> dict:
+                  question_aware: bool = False, kernels: Optional[Mapping[str, Mapping]] = None) -> dict:
     """One ``linicl.data.Prompt`` under every (score, budget): ``dict(answers={method: answer},
     floats={method: kept floats}, line_kept={method: share} (with ``span``, e.g. a passkey prompt's
     ``long_context.key_line``: the share of that span's (layer, KV head, token) entries kept),
@@ -103,7 +104,32 @@ def select_prompt(model, variables, prompt, tokenizer, *, scores: Sequence[str],
             out["floats"][name] = iclca.stored_floats(conv)["kept"]
             if span is not None:
                 out["line_kept"][name] = float(kept[:, :, span[0]:span[1]].mean())
+            select = dict(keep=keep, score="snapkv" if score == QUESTION else score, scores=got,
+                          allocation=allocation, sinks=sinks, window=window, size=n)
+            for kname, kw in (kernels or {}).items():
+                _with_kernel(out, model, variables, ctx, question, tokenizer,
+                             method_name(score, keep, allocation, kname), kw, select, max_new, span)
     return out
+
+
+def _with_kernel(out: dict, model, variables, ctx, question, tokenizer, name: str, kw: Mapping, select: dict,
+                 max_new: int, span: Optional[tuple]) -> None:
+    """One selection whose dropped tokens are a kernel's terms: its answer, its stored floats (kept
+    entries and kernel terms) and, with ``span``, the span's kept share into ``out``."""
+    if "kernel" not in kw:
+        raise LiniclError(f"kernels[{name!r}] must name its kernel (convert_approx keyword arguments), got {dict(kw)}")
+    try:
+        conv = iclca.convert_approx(model, variables, jnp.asarray(ctx)[None], **kw, **select)
+    except BudgetError:
+        return  # the budget cannot hold the kernel's terms and the forced tokens: no such method here
+    out["answers"][name] = greedy_answers(model, conv, tokenizer, [question], max_new=max_new,
+                                          common=dict(batch_size=1, progress=False))[0]
+    floats = iclca.stored_floats(conv)
+    out["floats"][name] = floats["kept"] + floats["kernel"]
+    if span is not None:  # each head's kept positions (padding -1) within the span, over layers and heads
+        pos = np.stack([np.asarray(a["attn"]["approx"].sink_pos[0]) for a in conv[PROMPT_APPROX].values()])
+        inside = (pos >= span[0]) & (pos < span[1])
+        out["line_kept"][name] = float(inside.sum() / (pos.shape[0] * pos.shape[1] * (span[1] - span[0])))
 
 
 def selected_rows(records: Sequence[Mapping], prompts: Sequence, *, keyed: bool) -> dict:
@@ -116,7 +142,7 @@ def selected_rows(records: Sequence[Mapping], prompts: Sequence, *, keyed: bool)
                           f"{len(prompts)} prompts")
     rows = {}
     prefill = float(np.mean([r["seconds"]["prefill"] for r in records]))
-    for name in records[0]["answers"]:
+    for name in (m for m in records[0]["answers"] if all(m in r["answers"] for r in records)):
         answers = [r["answers"][name] for r in records]
         if keyed:
             correct = np.asarray([lc.key_answered(a, p.label) for a, p in zip(answers, prompts)])
@@ -136,8 +162,15 @@ def selected_rows(records: Sequence[Mapping], prompts: Sequence, *, keyed: bool)
     return rows
 
 
+def _rows_of(scores: Sequence[str], allocations: Sequence[str], kernels: Sequence[str]) -> list:
+    """``(score, allocation, kernel)`` of every table row: each score with its allocations, then again
+    with each kernel's terms (``kernel`` None: what is not kept is dropped)."""
+    base = [(s, a) for s in scores for a in _allocations(s, allocations)]
+    return [(s, a, None) for s, a in base] + [(s, a, k) for k in kernels for s, a in base]
+
+
 def selection_table(cells: Mapping[str, Mapping], scores: Sequence[str], keeps: Sequence,
-                    allocations: Sequence[str] = ()) -> str:
+                    allocations: Sequence[str] = (), kernels: Sequence[str] = ()) -> str:
     """Markdown: per keyed cell and score, accuracy % [95 % Wilson] at each budget, the paired
     difference against ``"recent"`` at that budget (the equal-state window; when it ran), the key
     line's kept share and the selection's seconds per prefill. ``cells``: the experiment's cells, each
@@ -146,45 +179,48 @@ def selection_table(cells: Mapping[str, Mapping], scores: Sequence[str], keeps: 
     rows = []
     for key in sorted((k for k in cells if "selection" in cells[k]), key=lambda k: (cells[k]["probe"], cells[k]["tokens"])):
         c, sel = cells[key], cells[key]["selection"]
-        for score, allocation in ((s, a) for s in scores for a in _allocations(s, allocations)):
+        for score, allocation, kernel in _rows_of(scores, allocations, kernels):
             cols = []
             for keep in keeps:
-                r, ref = sel.get(method_name(score, keep, allocation)), sel.get(method_name("recent", keep))
+                r, ref = sel.get(method_name(score, keep, allocation, kernel)), sel.get(method_name("recent", keep))
                 if r is None:
                     cols.append("-")
                     continue
                 text = f"{100 * r['accuracy']:.0f} [{100 * r['wilson'][1]:.0f}, {100 * r['wilson'][2]:.0f}]"
-                if ref is not None and score != "recent":
+                if ref is not None and (score, kernel) != ("recent", None):
                     d = stats.paired_bootstrap(r["correct"], ref["correct"])
                     text += f" ({100 * d[0]:+.0f} [{100 * d[1]:+.0f}, {100 * d[2]:+.0f}])"
                 cols.append(text)
             first = sel.get(method_name(score, keeps[0], allocation), {})
             line = "; ".join(f"{sel[method_name(score, k, allocation)]['line_kept']:.2f}" for k in keeps
                              if "line_kept" in sel.get(method_name(score, k, allocation), {}))
-            rows.append([c["probe"], c["tokens"], f"{score} ({allocation})"] + cols + [line or "-",
-                                                                  f"{first.get('score_per_prefill', float('nan')):.2f}"])
+            name = f"{score} ({allocation})" + (f" + {kernel} terms" if kernel else "")
+            rows.append([c["probe"], c["tokens"], name] + cols + [line or "-",
+                                                             f"{first.get('score_per_prefill', float('nan')):.2f}"])
     n = max((r["n"] for c in cells.values() for r in c.get("selection", {}).values()), default=0)
     return "\n".join([
-        f"Selection at conversion (softmax teacher, kernel 'none'); accuracy % [95 % Wilson], n={n} per cell, and "
+        f"Selection at conversion (softmax teacher; what a head does not keep is dropped, unless '+ <kernel> terms'); accuracy % [95 % Wilson], n={n} per cell, and "
         "in brackets the paired difference against 'recent' at the same budget (the sliding window with sinks "
         "holding the same floats; 95 % bootstrap); line kept: the share of the passkey line's (layer, KV head, "
-        "token) entries kept, per budget; time / prefill: the score's pass against one prefill of the context.",
+        "token) entries kept, per budget; time / prefill: the score's pass against one prefill of the context; "
+        "'+ <kernel> terms': what a head does not keep stored as that kernel's terms, counted in the budget.",
         "", markdown_table(header, rows)])
 
 
 def plot_budgets(ax_row, cells: Mapping[str, Mapping], scores: Sequence[str], keeps: Sequence,
-                 allocations: Sequence[str] = ()) -> None:
+                 allocations: Sequence[str] = (), kernels: Sequence[str] = ()) -> None:
     """Accuracy (95 % Wilson) against the budget, one axis per keyed cell with a selection, one line per
     score and allocation."""
     keys = sorted((k for k in cells if "selection" in cells[k]), key=lambda k: (cells[k]["probe"], cells[k]["tokens"]))
     for ax, key in zip(ax_row, keys):
         sel = cells[key]["selection"]
-        for score, allocation in ((s, a) for s in scores for a in _allocations(s, allocations)):
-            pts = [(k, sel[method_name(score, k, allocation)]) for k in keeps
-                   if method_name(score, k, allocation) in sel]
+        for score, allocation, kernel in _rows_of(scores, allocations, kernels):
+            pts = [(k, sel[method_name(score, k, allocation, kernel)]) for k in keeps
+                   if method_name(score, k, allocation, kernel) in sel]
             if pts:
                 x = [100 * k for k, _ in pts]
-                ax.plot(x, [r["accuracy"] for _, r in pts], "o-", label=f"{score} ({allocation})")
+                ax.plot(x, [r["accuracy"] for _, r in pts], "o-" if kernel is None else "s--",
+                        label=f"{score} ({allocation})" + (f" + {kernel}" if kernel else ""))
                 ax.fill_between(x, [r["wilson"][1] for _, r in pts], [r["wilson"][2] for _, r in pts], alpha=0.1)
         ax.set(xscale="log", xlabel="kept % of the context's KV floats", ylabel="accuracy (95 % Wilson)",
                title=f"{cells[key]['probe']} {cells[key]['tokens']} tokens", ylim=(-0.02, 1.02))

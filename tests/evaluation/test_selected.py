@@ -87,3 +87,34 @@ def test_every_score_and_budget_of_a_prompt_share_one_compiled_query():
     more, again = run([0.3, 0.5, 0.7])
     assert again == 0 and more["answers"]["h2o@0.5"] == first["answers"]["h2o@0.5"]
     assert more["floats"]["recent@0.3"] < more["floats"]["recent@0.5"] < more["floats"]["recent@0.7"]
+
+
+def test_a_selection_may_store_what_it_drops_as_kernel_terms_within_its_budget():
+    """kernels={name: ...}: each (score, budget) again with the dropped tokens as that kernel's terms,
+    the terms counted in the budget; where the budget cannot hold them the method is left out."""
+    import linicl.lm
+    from linicl import iclca, selection
+    from linicl.data import long_context as lc
+    from helpers import FIXTURES
+
+    model, variables, tok = linicl.lm.from_pretrained(FIXTURES / "llama-tiny.gguf", max_len=512)
+    prompts = lc.probe_prompts("passkey", tok, lc.classic_filler(tok, min_tokens=400), 320, 2, seed=0)
+    n = prompts[0].query_start
+    terms = iclca.stored_floats(iclca.convert_approx(model, variables, jnp.asarray(prompts[0].tokens[:n])[None],
+                                                     "elu+1"))["kernel"]
+    full = selection.token_budget(model.cfg, n, 1.0) * 2 * model.cfg.head_dim
+    small = round(0.5 * terms / full, 3)          # holds the forced tokens, not the kernel's terms
+    assert selection.token_budget(model.cfg, n, small) >= 6 * len(model.cfg.global_layers) * model.cfg.kv_heads
+    records = [selected.select_prompt(model, variables, p, tok, scores=["recent"], keeps=[small, 0.9], sinks=2,
+                                      window=4, max_new=2, kernels={"elu+1": dict(kernel="elu+1")},
+                                      span=lc.key_line(p)) for p in prompts]
+    got = records[0]
+    assert set(got["answers"]) == {f"recent@{small:g}", "recent@0.9", "recent@0.9+elu+1"}
+    assert terms < got["floats"]["recent@0.9+elu+1"] <= 0.9 * full < got["floats"]["recent@0.9"] + terms
+    # the same ranking with fewer tokens (the terms take their share): no more of the key line kept
+    assert 0 <= got["line_kept"]["recent@0.9+elu+1"] <= got["line_kept"]["recent@0.9"] <= 1
+    rows = selected.selected_rows(records, prompts, keyed=True)
+    assert set(rows) == set(got["answers"]) and rows["recent@0.9+elu+1"]["n"] == 2
+    with pytest.raises(LiniclError, match="must name its kernel"):
+        selected.select_prompt(model, variables, prompts[0], tok, scores=["recent"], keeps=[0.9], sinks=2, window=4,
+                               max_new=2, kernels={"x": {}})

@@ -45,8 +45,10 @@ def test_quick_run_writes_every_cell_and_resumes(tmp_path):
     assert len(oracle) == 1  # the diagnostic, on the passkey cell only
     assert {c["probe"] for c in report["cells"].values()} == {"passkey", "kv", "antonym k=2"}
     chosen = [m for m in methods if "@" in m]  # the selections (--quick: three scores at one budget)
-    assert chosen == ["reconstruction@0.5", "reconstruction:heads@0.5", "expected@0.5", "expected:heads@0.5",
-                      "recent@0.5", "snapkv+question@0.5", "snapkv+question:heads@0.5"]  # the query-aware reference
+    dropped = ["reconstruction@0.5", "reconstruction:heads@0.5", "expected@0.5", "expected:heads@0.5",
+               "recent@0.5", "snapkv+question@0.5", "snapkv+question:heads@0.5"]  # the query-aware reference last
+    # each again with the tokens a head does not keep in the student's kernel terms (--select-kernels learned)
+    assert chosen == [m for d in dropped for m in (d, d + "+learned")]
     for cell in report["cells"].values():
         keyed = cell["probe"] in ("passkey", "kv")
         assert set(cell["methods"]) == (set(methods) - (set() if cell["probe"] == "passkey" else set(oracle))
