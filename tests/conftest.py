@@ -17,6 +17,9 @@ jax.config.update("jax_enable_x64", True)
 # Every hypothesis example compiles new shapes; XLA's optimisation passes dominate that time on a CPU
 # and change nothing we test (the identities hold for any evaluation order).
 jax.config.update("jax_disable_most_optimizations", True)
+# The same for the scripts tests run in subprocesses (the experiments' quick modes), which read it from
+# the environment: their compiles dominate their time (icl_baselines --quick: 57 -> 47 CPU-seconds).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Compiled executables are kept on disk between sessions (linicl.compiled.enable_persistent_cache;
 # LINICL_COMPILATION_CACHE=off turns it off, or names another folder).
 from linicl import compiled as _compiled  # noqa: E402
