@@ -75,7 +75,8 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf
 # or methods resumes the cells an earlier one finished; everything else that changes a number stays in.
 PROGRESS_IGNORES = ("out", "progress", "resume", "plots", "lengths", "probes", "methods", "caches", "windows",
                     "shots", "shot_tasks", "finished_only", "cache_rules", "window_caches", "oracle", "loss_len",
-                    "loss_tail", "select_scores", "select_kernels", "select_keeps", "select_allocations", "select_question")
+                    "loss_tail", "select_scores", "select_kernels", "select_keeps", "select_allocations",
+                    "select_question")
 
 
 def parse_args(argv=None):
@@ -208,11 +209,15 @@ def select_scores(settings: dict) -> list:
     return list(settings["select_scores"]) + ([selected.QUESTION] if settings.get("select_question") else [])
 
 
+def budgets(args) -> str:
+    """The budgets and kept ends of every selection, as a progress key names them."""
+    return f"keep {','.join(f'{k:g}' for k in args.select_keeps)} sinks {args.select_sinks} window {args.select_window}"
+
+
 def select_cell(key: str, prompts, teacher, tv, tok, prog, args, sv=None) -> dict:
     """The selection methods on one keyed cell: one record per prompt (resumable), then a row per
     ``<score>@<keep>``."""
-    setting = f"select {','.join(select_scores(vars(args)))} keep {','.join(f'{k:g}' for k in args.select_keeps)} " \
-              f"sinks {args.select_sinks} window {args.select_window}" + \
+    setting = f"select {','.join(select_scores(vars(args)))} {budgets(args)}" + \
               (f" allocations {','.join(args.select_allocations)}" if args.select_allocations else "") + \
               (f" kernels {','.join(args.select_kernels)}" if args.select_kernels else "")
     kernels = {k: dict(kernel=k, maps=sv) if k == "learned" else dict(kernel=k) for k in args.select_kernels}
@@ -244,8 +249,7 @@ def select_loss(rows, teacher, tv, tok, prog, args) -> dict:
     """The selection methods on held-out text: each row's prefix (all but its last --loss-tail tokens)
     selected, the loss of what follows (one record per text, resumable); ``selected.loss_rows``."""
     prefix = rows.shape[1] - args.loss_tail
-    setting = f"loss-select {prefix}+{args.loss_tail} | {','.join(args.select_scores)} keep " \
-              f"{','.join(f'{k:g}' for k in args.select_keeps)} sinks {args.select_sinks} window {args.select_window}"
+    setting = f"loss-select {prefix}+{args.loss_tail} | {','.join(args.select_scores)} {budgets(args)}"
     instruction = tok.encode(selection.REPEAT_INSTRUCTION, add_bos=False)
     records = []
     for i, row in enumerate(tqdm(rows, disable=not args.progress, desc="loss selection", leave=False)):

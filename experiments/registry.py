@@ -33,6 +33,11 @@ BIAS_GRID_LONG = [f"{fm}-{pos}-small-lr{lr}" for fm, pos in (("hedgehog", "decay
 # trained routers, router checkpoints and function vectors; its activations and query caches are rebuilt
 ROUTING_CARRY = ["progress.json", "pids.npz", "pids_*.npz", "router_*.safetensors", "ckpt/*", "fv/*"]
 
+# The selection runs: every question-free score of linicl.names.SELECTION_SCORES, and the long-prompt
+# report with the per-prompt records a later session resumes from.
+SELECT_ALL = ["--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random"]
+RESUMABLE_LONG_CONTEXT = dict(json="long_context.json", plots=["long_context.png"], carry=["progress.json"])
+
 EXPERIMENTS = {
     "verify": dict(
         title="Exact conversion on the zoo (`linicl verify`)",
@@ -125,7 +130,7 @@ EXPERIMENTS = {
               "english-spanish", "landmark-country", "national_parks", "next_item", "person-instrument",
               "person-occupation", "present-past", "prev_item", "singular-plural", "synonym", "--k", "8",
               "--n-eval", "32", "--kernels", "--lsq-kernels", "--sinks", "0", "--mix", "-1",
-              "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
+              *SELECT_ALL,
               "--select-keeps", "0.1", "0.25", "0.5", "--synthetic-pairs", "0"],
         json="approx_conversion.json", plots=["accuracy.png"],
         note="every open-ended word task of the data directory, 8 demonstrations (65-110 tokens) converted once "
@@ -290,9 +295,9 @@ EXPERIMENTS = {
         title="Long prompts kept by selection at conversion: query-agnostic scores of SmolLM2's exact keys and values",
         cmd=["experiments/long_context.py", "--resume"], quick=["--quick"],
         full=["--lengths", "1024", "2048", "--n", "28", "--probes", "passkey", "--methods", "softmax",
-              "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
+              *SELECT_ALL,
               "--select-keeps", "0.05", "0.1", "0.25", "--convert-check", "0"],
-        json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
+        **RESUMABLE_LONG_CONTEXT,
         note="every selection keeps 4 sinks and the last 16 context tokens in every KV head; 'recent' at a budget "
              "is the sliding window with sinks holding the same floats. The question is read alone after the "
              "converted context; the softmax column reads the whole prompt. Read: on SmolLM2-135M no "
@@ -320,9 +325,9 @@ EXPERIMENTS = {
         title="Long prompts kept by selection at conversion, the original passkey haystack (repeated sentences)",
         cmd=["experiments/long_context.py", "--resume", "--filler", "classic"], quick=["--quick"],
         full=["--lengths", "1024", "2048", "--n", "28", "--probes", "passkey", "kv", "--methods", "softmax",
-              "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
+              *SELECT_ALL,
               "--select-keeps", "0.02", "0.05", "0.1", "--convert-check", "0"],
-        json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
+        **RESUMABLE_LONG_CONTEXT,
         note="the same selections as long_context_selection on the haystack of the original passkey test "
              "(Mohtashami & Jaggi: 'The grass is green. The sky is blue. ...' repeated), where the key line is "
              "the only text that occurs once; long_context_selection's AG News haystack is novel everywhere. "
@@ -345,9 +350,9 @@ EXPERIMENTS = {
         title="Long prompts kept by selection at 4,096 tokens: the original passkey haystack (SmolLM2)",
         cmd=["experiments/long_context.py", "--resume", "--filler", "classic"], quick=["--quick"],
         full=["--lengths", "4096", "--n", "28", "--probes", "passkey", "--methods", "softmax",
-              "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
+              *SELECT_ALL,
               "--select-keeps", "0.02", "0.05", "0.1", "--convert-check", "0"],
-        json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
+        **RESUMABLE_LONG_CONTEXT,
         note="long_context_classic's selections at 4,096 tokens (passkey only).",
         reference="KVzip (arXiv 2505.23416): needle retrieval 100 % at 10 % of the KV on 7-8B models "
                   "(compression.md; their figures, not re-measured)."),
@@ -358,7 +363,7 @@ EXPERIMENTS = {
         full=["--lengths", "2048", "--n", "28", "--probes", "passkey", "--caches", "0", "--windows", "equal",
               "--select-scores", "reconstruction", "snapkv", "recent", "--select-keeps",
               "0.1", "0.25", "--select-kernels", "learned", "--convert-check", "0"],
-        json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
+        **RESUMABLE_LONG_CONTEXT,
         note="'+ learned terms': convert_approx(kernel='learned', maps=the shipped student maps, keep=...): the "
              "tokens a head does not keep go into the student's kernel terms (its linear state on the teacher's "
              "keys and values), the budget counting them; beside the student itself and the equal-state window. "
@@ -372,9 +377,9 @@ EXPERIMENTS = {
         title="Text after a compressed 2,048-token prefix: its next-token loss under each selection (SmolLM2)",
         cmd=["experiments/long_context.py", "--resume"], quick=["--quick"],
         full=["--lengths", "2048", "--probes", "loss", "--loss-seqs", "28", "--loss-tail", "256", "--methods",
-              "softmax", "--select-scores", "reconstruction", "expected", "h2o", "snapkv", "recent", "random",
+              "softmax", *SELECT_ALL,
               "--select-keeps", "0.02", "0.05", "0.1", "--convert-check", "0"],
-        json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
+        **RESUMABLE_LONG_CONTEXT,
         note="28 windows of the AG News haystack, each 2,048 tokens kept by a selection (4 sinks, the last 16 "
              "tokens) and the next 256 read alone after them; 'full' keeps the whole prefix (the prompted model), "
              "'no prefix' reads the 256 tokens alone. Under way: 7 of 28 texts done (carried in "
@@ -388,10 +393,9 @@ EXPERIMENTS = {
         cmd=["experiments/long_context.py", "--model", "gemma3", "--maps",
              "linicl/linearize/artifacts/gemma3_maps.safetensors", "--resume", "--filler", "classic"],
         quick=["--quick"],
-        full=["--lengths", "1024", "--n", "28", "--probes", "passkey", "--methods", "softmax", "--select-scores",
-              "reconstruction", "expected", "h2o", "snapkv", "recent", "random", "--select-keeps", "0.05", "0.1",
-              "0.25", "--convert-check", "0"],
-        json="long_context.json", plots=["long_context.png"], carry=["progress.json"],
+        full=["--lengths", "1024", "--n", "28", "--probes", "passkey", "--methods", "softmax", *SELECT_ALL,
+              "--select-keeps", "0.05", "0.1", "0.25", "--convert-check", "0"],
+        **RESUMABLE_LONG_CONTEXT,
         note="the original passkey haystack; budgets are shares of the 3 global layers' KV floats (the 15 local "
              "layers keep their exact windows, once per KV head, counted apart: 15 layers x 511 tokens x 2 x 256 = "
              "3.92 M floats of keys and values). Read: the reconstruction score (KVzip) answers 27/28 at 10 % of "
@@ -404,9 +408,8 @@ EXPERIMENTS = {
         title="Selection at conversion on 128-shot prompts: country-capital and present-past on SmolLM2",
         cmd=["experiments/approx_conversion.py", "--resume"], quick=["--quick"],
         full=["--tasks", "country-capital", "present-past", "--k", "128", "--n-eval", "32", "--kernels",
-              "--lsq-kernels", "--sinks", "0", "--mix", "-1", "--select-scores", "reconstruction", "expected",
-              "h2o", "snapkv", "recent", "random", "--select-keeps", "0.05", "0.1", "0.25", "--select-sinks", "4",
-              "--select-window", "16", "--synthetic-pairs", "0"],
+              "--lsq-kernels", "--sinks", "0", "--mix", "-1", *SELECT_ALL, "--select-keeps", "0.05", "0.1", "0.25",
+              "--select-sinks", "4", "--select-window", "16", "--synthetic-pairs", "0"],
         json="approx_conversion.json", plots=["accuracy.png"],
         note="128 demonstrations converted once with a selection (4 sinks and the last 16 tokens always kept), the "
              "32 test queries read alone after it; 'recent' is the equal-float window. Read: at 25 % of the KV "

@@ -117,10 +117,10 @@ def matmul_peer(cfg, batch: int, seq: int, seed: int = 0):
 
 
 # jax.monitoring's names for the three parts of a compilation and the persistent cache's events.
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # one per executable built
 _COMPILE_DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
                       "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-                      "/jax/core/compile/backend_compile_duration": "backend_s"}
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+                      _BACKEND_COMPILE: "backend_s"}
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits",
                  "/jax/compilation_cache/cache_misses": "cache_misses"}
 
@@ -131,8 +131,9 @@ class CompileMeter:
 
     ``read()`` gives ``trace_s`` (Python tracing), ``lower_s`` (lowering to StableHLO), ``backend_s``
     (XLA compile, or loading from the persistent cache), ``compile_s`` (their sum), ``programs`` (the
-    executables built: one backend compile or cache load each), ``cache_hits`` and ``cache_misses``. JAX offers no way to unregister a listener, so each meter listens for the rest of
-    the process: make one per process (a benchmark's child), not one per measurement.
+    executables built: one backend compile or cache load each), ``cache_hits`` and ``cache_misses``.
+    JAX offers no way to unregister a listener, so each meter listens for the rest of the process: make
+    one per process (a benchmark's child), not one per measurement.
     """
 
     def __init__(self):

@@ -78,7 +78,8 @@ def table(run: dict, top: int) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folder", nargs="?", default=str(ROOT / ".test-times"), help="the recorded run (default .test-times)")
+    p.add_argument("folder", nargs="?", default=str(ROOT / ".test-times"),
+                   help="the recorded run (default .test-times)")
     p.add_argument("--top", type=int, default=30, help="rows of each table")
     p.add_argument("--json", default=None, help="also write the per-file rows and the slowest tests here")
     args = p.parse_args(argv)

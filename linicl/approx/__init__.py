@@ -24,5 +24,5 @@ from linicl.approx.evaluation import (BASE, TaskTargets, correctness, evaluate_t
                                       query_window, task_targets)
 from linicl.approx.variants import convert_variant, converters, selection_specs, variant_specs
 
-__all__ = ["variant_specs", "selection_specs", "convert_variant", "converters", "BASE", "query_window", "TaskTargets", "task_targets",
-           "evaluate_task", "correctness", "layer_error_summary"]
+__all__ = ["variant_specs", "selection_specs", "convert_variant", "converters", "BASE", "query_window", "TaskTargets",
+           "task_targets", "evaluate_task", "correctness", "layer_error_summary"]

@@ -199,7 +199,8 @@ def selection_table(cells: Mapping[str, Mapping], scores: Sequence[str], keeps: 
                                                              f"{first.get('score_per_prefill', float('nan')):.2f}"])
     n = max((r["n"] for c in cells.values() for r in c.get("selection", {}).values()), default=0)
     return "\n".join([
-        f"Selection at conversion (softmax teacher; what a head does not keep is dropped, unless '+ <kernel> terms'); accuracy % [95 % Wilson], n={n} per cell, and "
+        "Selection at conversion (softmax teacher; what a head does not keep is dropped, unless '+ <kernel> "
+        f"terms'); accuracy % [95 % Wilson], n={n} per cell, and "
         "in brackets the paired difference against 'recent' at the same budget (the sliding window with sinks "
         "holding the same floats; 95 % bootstrap); line kept: the share of the passkey line's (layer, KV head, "
         "token) entries kept, per budget; time / prefill: the score's pass against one prefill of the context; "
