@@ -65,8 +65,15 @@ def data_env(monkeypatch):
 # With LINICL_TEST_TIMES=<folder> (``make test`` sets it), every test process appends one JSON line per
 # test to <folder>/<worker>.jsonl: its wall time (setup, call and teardown) and the XLA programs it built
 # with their compile seconds (``linicl.timing.CompileMeter``; programs built in a subprocess a test starts
-# are not seen), then the process's peak resident memory. ``python tools/test_times.py`` reads them.
+# are counted by that subprocess: tests/timing_site), then the process's peak resident memory.
+# ``python tools/test_times.py`` reads them.
 _TIMES_DIR = os.environ.get("LINICL_TEST_TIMES")
+if _TIMES_DIR:
+    # The subprocesses a test starts record their own compiles (tests/timing_site/sitecustomize.py),
+    # wherever they run: they get the folder as an absolute path and that module on their path.
+    _TIMES_DIR = os.environ["LINICL_TEST_TIMES"] = os.path.abspath(_TIMES_DIR)
+    _SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timing_site")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
 
 
 def _times_file():
@@ -92,6 +99,9 @@ if _TIMES_DIR:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
+        # for a subprocess whose environment was built before this test ran (tests/timing_site)
+        with open(os.path.join(_TIMES_DIR, f"running-{os.getpid()}"), "w") as f:
+            f.write(item.nodeid)
         _METER.start()
         t0 = _time.perf_counter()
         yield

@@ -8,8 +8,8 @@ programs) and the slowest tests::
     python tools/test_times.py                  # the last `make test` (.test-times/)
     python tools/test_times.py DIR --top 30 --json out.json
 
-Compile seconds are those of the test process itself; a test that runs a script in a subprocess
-(the experiments' quick runs) shows that subprocess's time as its own wall time, not as compiles.
+A test's compile seconds and programs include those of the Python subprocesses it starts (the
+experiments' quick runs, the notebooks' kernels: tests/timing_site/sitecustomize.py records them).
 """
 
 from __future__ import annotations
@@ -24,25 +24,37 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def read(folder: Path) -> dict:
-    """``dict(tests=[{test, s, compile_s, programs, worker}], wall_s, workers={worker: peak_rss_mib})``
-    from the JSON-lines files of one recorded run."""
+    """``dict(tests=[{test, s, compile_s, programs, worker, sub_compile_s, sub_programs}], wall_s,
+    workers={worker: peak_rss_mib}, subprocesses=[{of, command, compile_s, programs, peak_rss_mib}])``
+    from the JSON-lines files of one recorded run. A subprocess's compiles (``sub-<pid>.jsonl``,
+    tests/timing_site) are added to the test that started it, and also kept apart (``sub_*``)."""
     files = sorted(folder.glob("*.jsonl"))
     if not files:
         raise SystemExit(f"no recorded run in {folder}: run `make test` (or pytest with LINICL_TEST_TIMES={folder})")
-    tests, starts, finishes, workers = [], {}, {}, {}
+    tests, starts, finishes, workers, subs = [], {}, {}, {}, []
     for path in files:
         worker = path.stem
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            if r.get("event") == "start":
+            if "of" in r:
+                subs.append(r)
+            elif r.get("event") == "start":
                 starts[worker] = r["t"]
             elif r.get("event") == "finish":
                 finishes[worker] = r["t"]
                 workers[worker] = r["peak_rss_mib"]
             else:
-                tests.append(dict(r, worker=worker))
+                tests.append(dict(r, worker=worker, sub_compile_s=0.0, sub_programs=0))
+    by_id = {t["test"]: t for t in tests}
+    for r in subs:
+        t = by_id.get(r["of"])
+        if t is not None:  # (a subprocess of a test that did not finish has no row to join)
+            t["sub_compile_s"] += r["compile_s"]
+            t["sub_programs"] += r["programs"]
+            t["compile_s"] += r["compile_s"]
+            t["programs"] += r["programs"]
     wall = (max(finishes.values()) - min(starts.values())) if starts and finishes else None
-    return dict(tests=tests, wall_s=wall, workers=workers)
+    return dict(tests=tests, wall_s=wall, workers=workers, subprocesses=subs)
 
 
 def by_file(tests: list) -> list:
@@ -67,6 +79,7 @@ def table(run: dict, top: int) -> str:
              f"({100 * compile_s / max(total, 1e-9):.0f} %), {sum(t['programs'] for t in tests)} XLA programs built",
              "peak resident memory per process (MiB): " + ", ".join(
                  f"{w} {m:.0f}" for w, m in sorted(run["workers"].items())),
+             *_subprocess_lines(run),
              "", f"By file (the {top} slowest):", "",
              "| file | tests | s | compile s | programs |", "|---|---|---|---|---|"]
     lines += [f"| {f} | {n} | {s:.0f} | {c:.0f} | {p} |" for f, n, s, c, p in by_file(tests)[:top]]
@@ -74,6 +87,17 @@ def table(run: dict, top: int) -> str:
     lines += [f"| {t['test']} | {t['s']:.1f} | {t['compile_s']:.1f} | {t['programs']} |"
               for t in sorted(tests, key=lambda t: -t["s"])[:top]]
     return "\n".join(lines)
+
+
+def _subprocess_lines(run: dict) -> list:
+    """The subprocesses' share of the compiles and the largest of them in memory (none: no line)."""
+    subs = run.get("subprocesses") or []
+    if not subs:
+        return []
+    largest = max(subs, key=lambda r: r["peak_rss_mib"])
+    return [f"{len(subs)} subprocesses started by tests (counted in their tests' rows): compiling "
+            f"{sum(r['compile_s'] for r in subs) / 60:.1f} min, {sum(r['programs'] for r in subs)} programs; "
+            f"largest {largest['peak_rss_mib']:.0f} MiB ({largest['command']})"]
 
 
 def main(argv=None) -> int:
@@ -87,7 +111,7 @@ def main(argv=None) -> int:
     print(table(run, args.top))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(wall_s=run["wall_s"], workers=run["workers"],
-                                                   files=by_file(run["tests"]),
+                                                   files=by_file(run["tests"]), subprocesses=run["subprocesses"],
                                                    slowest=sorted(run["tests"], key=lambda t: -t["s"])[:args.top]),
                                               indent=1))
     return 0
