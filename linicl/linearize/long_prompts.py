@@ -19,10 +19,11 @@ from __future__ import annotations
 import time
 from typing import Mapping, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linicl import iclca, stats
+from linicl import compiled, iclca, stats
 from linicl import interventions as iv
 from linicl.data import long_context as lc
 from linicl.errors import LiniclError
@@ -44,15 +45,23 @@ def converted_check(model, variables, prompts: Sequence, predictions: Sequence[s
         raise LiniclError(f"converted_check needs one prediction per prompt and at least one prompt, got "
                           f"{len(prompts)} prompts and {len(predictions)} predictions")
     same, errs = 0, []
+    forward = _forward(model)
     for p, want in zip(prompts, predictions):
         ctx, query = jnp.asarray(p.tokens[:p.query_start])[None], p.tokens[p.query_start:]
         conv = iclca.convert(model, variables, ctx)
-        ref = model.apply(variables, jnp.asarray(p.tokens)[None])[:, p.query_start:]
-        errs.append(float(rel_err(model.apply(conv, jnp.asarray(query)[None]), ref)))
+        ref = forward(variables, jnp.asarray(p.tokens)[None])[:, p.query_start:]
+        errs.append(float(rel_err(forward(conv, jnp.asarray(query)[None]), ref)))
         got = greedy_answers(model, conv, tokenizer, [query], max_new=max_new,
                              common=dict(batch_size=1, progress=False))
         same += int(got[0] == want)
     return dict(answers_equal=same, of=len(prompts), max_rel_err=max(errs))
+
+
+def _forward(model):
+    """``model.apply`` compiled (once per model, shape and variable structure): run eagerly, every
+    operation of the forward is a small program compiled for each new prompt length (the quick run of
+    experiments/long_context.py spent 76 of its 271 s there)."""
+    return compiled.get(("long_prompts.forward", model), lambda: jax.jit(model.apply))
 
 
 def scored_row(name: str, correct, predictions: Sequence[str], prompts: Sequence, t0: float) -> dict:
