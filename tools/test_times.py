@@ -91,7 +91,7 @@ def table(run: dict, top: int) -> str:
 
 def _subprocess_lines(run: dict) -> list:
     """The subprocesses' share of the compiles and the largest of them in memory (none: no line)."""
-    subs = run.get("subprocesses") or []
+    subs = run["subprocesses"]
     if not subs:
         return []
     largest = max(subs, key=lambda r: r["peak_rss_mib"])
