@@ -29,10 +29,19 @@ FIXTURES = REPO / "tests" / "fixtures" / "hf"
 DATA_FIXTURE = REPO / "tests" / "fixtures" / "data"
 
 
+def host_devices_env(n_devices: int) -> dict:
+    """This process's environment for a subprocess that sees ``n_devices`` CPU devices (the count is
+    fixed when jax starts, so never in this process), the session's other XLA flags kept."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={n_devices}".strip())
+
+
 def on_host_devices(script: pathlib.Path, n_devices: int, *args: str, timeout: int = 600) -> dict:
-    """Run ``script`` in a fresh interpreter seeing ``n_devices`` CPU devices (the count is fixed when
-    jax starts, so never in this process) and return the JSON of its ``RESULT `` line."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}", JAX_PLATFORMS="cpu")
+    """Run ``script`` in a fresh interpreter seeing ``n_devices`` CPU devices and return the JSON of its
+    ``RESULT `` line."""
+    env = host_devices_env(n_devices)
     run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
                          cwd=str(REPO), timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]

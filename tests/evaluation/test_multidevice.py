@@ -4,7 +4,6 @@ by 4 work. XLA_FLAGS must be set before jax is imported, so the 4-device checks 
 one-device no-op is checked here."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ import numpy as np
 
 from linicl.batching import pad_rows, round_up, run_sharded
 from linicl.parallel import device_mesh, replicate, shard_batch
-from helpers import REPO
+from helpers import REPO, host_devices_env
 
 ROOT = REPO
 
@@ -104,7 +103,7 @@ SCRIPT = textwrap.dedent("""
 def test_four_devices_shard_and_match_one_device(tmp_path):
     script = tmp_path / "multidevice.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = host_devices_env(4)
     run = subprocess.run([sys.executable, str(script), str(ROOT / "tests" / "fixtures" / "hf" / "gpt2-tiny")],
                          capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

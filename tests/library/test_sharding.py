@@ -5,7 +5,6 @@ LoRA, the ICR router) equal to one device. XLA_FLAGS must be set before jax is i
 checks run in a subprocess; the rules themselves are checked here on abstract meshes."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from linicl import parallel
 from linicl.errors import LiniclError
-from helpers import REPO
+from helpers import REPO, host_devices_env
 
 # One worker runs this module: its 8-device subprocess (``eight``, ~70 s) is then made once, not once per
 # xdist worker (``make test`` distributes with --dist loadgroup; pytest 9.2 broke the groups, which
@@ -110,7 +109,7 @@ SCRIPT = textwrap.dedent("""
 def eight(tmp_path_factory):
     script = tmp_path_factory.mktemp("sharding") / "shard8.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = host_devices_env(8)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=str(REPO),
                          timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]

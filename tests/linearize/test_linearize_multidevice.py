@@ -3,12 +3,11 @@ split, and the trained maps and correction equal a one-device run's. XLA_FLAGS m
 is imported, so the 4-device run is a subprocess."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
-from helpers import REPO
+from helpers import REPO, host_devices_env
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -46,7 +45,7 @@ SCRIPT = textwrap.dedent("""
 def test_training_on_four_devices_equals_one_device(tmp_path):
     script = tmp_path / "train4.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = host_devices_env(4)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=str(REPO),
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
