@@ -131,7 +131,9 @@ class CompileMeter:
 
     ``read()`` gives ``trace_s`` (Python tracing), ``lower_s`` (lowering to StableHLO), ``backend_s``
     (XLA compile, or loading from the persistent cache), ``compile_s`` (their sum), ``programs`` (the
-    executables built: one backend compile or cache load each), ``cache_hits`` and ``cache_misses``.
+    executables built: one backend compile or cache load each), ``cache_hits`` and ``cache_misses``;
+    ``programs_by_name()`` and ``backend_s_by_name()`` the executables and XLA seconds per
+    function name.
     JAX offers no way to unregister a listener, so each meter listens for the rest of the process: make
     one per process (a benchmark's child), not one per measurement.
     """
@@ -141,13 +143,18 @@ class CompileMeter:
 
         from jax import monitoring
         self.totals = collections.Counter()
+        self._name_programs = collections.Counter()
+        self._name_s = collections.Counter()
         monitoring.register_event_duration_secs_listener(self._duration)
         monitoring.register_event_listener(self._event)
 
-    def _duration(self, event, seconds, **_):
+    def _duration(self, event, seconds, fun_name=None, **_):
         if event in _COMPILE_DURATIONS:
             self.totals[_COMPILE_DURATIONS[event]] += seconds
-            self.totals["programs"] += event == _BACKEND_COMPILE
+            if event == _BACKEND_COMPILE:
+                self.totals["programs"] += 1
+                self._name_programs[fun_name or "?"] += 1
+                self._name_s[fun_name or "?"] += seconds
 
     def _event(self, event, **_):
         if event in _CACHE_EVENTS:
@@ -156,6 +163,18 @@ class CompileMeter:
     def start(self) -> None:
         """Forget what was counted so far."""
         self.totals.clear()
+        self._name_programs.clear()
+        self._name_s.clear()
+
+    def programs_by_name(self) -> dict:
+        """``{name: executables built}`` since ``start()``, most first: ``jit(apply)`` for a jitted
+        ``model.apply``; an operation run eagerly builds one named after its primitive
+        (``jit(add)``, ``jit(concatenate)``), once per shape and dtype."""
+        return dict(self._name_programs.most_common())
+
+    def backend_s_by_name(self) -> dict:
+        """``{name: seconds}`` of XLA compiling (``backend_s``) since ``start()``, per function name."""
+        return dict(self._name_s.most_common())
 
     def read(self) -> dict:
         """The totals since ``start()`` (see the class)."""

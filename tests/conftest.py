@@ -73,7 +73,7 @@ def data_env(monkeypatch):
 # --------------------------------------------------------------------------- where the time goes
 # With LINICL_TEST_TIMES=<folder> (``make test`` sets it), every test process appends one JSON line per
 # test to <folder>/<worker>.jsonl: its wall time (setup, call and teardown) and the XLA programs it built
-# with their compile seconds (``linicl.timing.CompileMeter``; programs built in a subprocess a test starts
+# with their compile seconds and names (``linicl.timing.CompileMeter``; programs built in a subprocess a test starts
 # are counted by that subprocess: tests/timing_site), then the process's peak resident memory.
 # ``python tools/test_times.py`` reads them.
 _TIMES_DIR = os.environ.get("LINICL_TEST_TIMES")
@@ -116,7 +116,8 @@ if _TIMES_DIR:
         yield
         c = _METER.read()
         _append({"test": item.nodeid, "s": _time.perf_counter() - t0, "compile_s": c["compile_s"],
-                 "programs": c["programs"]})
+                 "programs": c["programs"], "names": _METER.programs_by_name(),
+                 "name_s": _METER.backend_s_by_name()})
 
     def pytest_sessionfinish(session):
         import resource

@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def read(folder: Path) -> dict:
-    """``dict(tests=[{test, s, compile_s, programs, worker, sub_compile_s, sub_programs}], wall_s,
-    workers={worker: peak_rss_mib}, subprocesses=[{of, command, compile_s, programs, peak_rss_mib}])``
+    """``dict(tests=[{test, s, compile_s, programs, names, worker, sub_compile_s, sub_programs}], wall_s,
+    workers={worker: peak_rss_mib}, subprocesses=[{of, command, compile_s, programs, names, peak_rss_mib}])``
+    (``names``, ``name_s``: programs built and their XLA seconds per function name; absent in runs
+    recorded before they were counted)
     from the JSON-lines files of one recorded run. A subprocess's compiles (``sub-<pid>.jsonl``,
     tests/timing_site) are added to the test that started it, and also kept apart (``sub_*``)."""
     files = sorted(folder.glob("*.jsonl"))
@@ -44,7 +46,8 @@ def read(folder: Path) -> dict:
                 finishes[worker] = r["t"]
                 workers[worker] = r["peak_rss_mib"]
             else:
-                tests.append(dict(r, worker=worker, sub_compile_s=0.0, sub_programs=0))
+                tests.append(dict(r, worker=worker, sub_compile_s=0.0, sub_programs=0,
+                                  names=dict(r.get("names", {})), name_s=dict(r.get("name_s", {}))))
     by_id = {t["test"]: t for t in tests}
     for r in subs:
         t = by_id.get(r["of"])
@@ -53,6 +56,9 @@ def read(folder: Path) -> dict:
             t["sub_programs"] += r["programs"]
             t["compile_s"] += r["compile_s"]
             t["programs"] += r["programs"]
+            for key in ("names", "name_s"):
+                for name, n in r.get(key, {}).items():
+                    t[key][name] = t[key].get(name, 0) + n
     wall = (max(finishes.values()) - min(starts.values())) if starts and finishes else None
     return dict(tests=tests, wall_s=wall, workers=workers, subprocesses=subs)
 
@@ -67,6 +73,19 @@ def by_file(tests: list) -> list:
         a[2] += t["compile_s"]
         a[3] += t["programs"]
     return sorted(([f, *v] for f, v in agg.items()), key=lambda r: -r[2])
+
+
+def by_name(tests: list) -> list:
+    """``[name, programs, XLA seconds, tests that built one]`` over the run, most seconds first:
+    ``jit(apply)`` is a jitted forward, a primitive's name (``jit(add)``) an operation run eagerly."""
+    programs, seconds, users = collections.Counter(), collections.Counter(), collections.Counter()
+    for t in tests:
+        for name, n in t.get("names", {}).items():
+            programs[name] += n
+            users[name] += 1
+            seconds[name] += t.get("name_s", {}).get(name, 0.0)
+    order = sorted(programs, key=lambda name: (-seconds[name], -programs[name], name))
+    return [[name, programs[name], seconds[name], users[name]] for name in order]
 
 
 def table(run: dict, top: int) -> str:
@@ -86,6 +105,11 @@ def table(run: dict, top: int) -> str:
     lines += ["", f"The {top} slowest tests:", "", "| test | s | compile s | programs |", "|---|---|---|---|"]
     lines += [f"| {t['test']} | {t['s']:.1f} | {t['compile_s']:.1f} | {t['programs']} |"
               for t in sorted(tests, key=lambda t: -t["s"])[:top]]
+    names = by_name(tests)
+    if names:
+        lines += ["", f"Programs by function name (the {top} of most XLA seconds):", "",
+                  "| name | programs | XLA s | tests |", "|---|---|---|---|"]
+        lines += [f"| {name} | {n} | {c:.1f} | {k} |" for name, n, c, k in names[:top]]
     return "\n".join(lines)
 
 
@@ -112,6 +136,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(wall_s=run["wall_s"], workers=run["workers"],
                                                    files=by_file(run["tests"]), subprocesses=run["subprocesses"],
+                                                   names=by_name(run["tests"]),
                                                    slowest=sorted(run["tests"], key=lambda t: -t["s"])[:args.top]),
                                               indent=1))
     return 0

@@ -44,11 +44,13 @@ def test_a_folder_without_a_run_is_refused(tmp_path):
 
 def test_a_subprocess_compiles_count_in_the_test_that_started_it(tmp_path, capsys):
     _write(tmp_path, "gw0", [{"event": "start", "t": 0.0},
-                             {"test": "tests/x.py::t@g", "s": 60.0, "compile_s": 1.0, "programs": 2},
+                             {"test": "tests/x.py::t@g", "s": 60.0, "compile_s": 1.0, "programs": 2,
+                              "names": {"jit(apply)": 1, "jit(add)": 1}, "name_s": {"jit(apply)": 0.5, "jit(add)": 0.1}},
                              {"test": "tests/y.py::u", "s": 5.0, "compile_s": 0.5, "programs": 1},
                              {"event": "finish", "t": 70.0, "peak_rss_mib": 100}])
     _write(tmp_path, "sub-41", [{"of": "tests/x.py::t@g", "command": "python a.py", "compile_s": 30.0,
-                                 "programs": 40, "peak_rss_mib": 900}])
+                                 "programs": 40, "peak_rss_mib": 900, "names": {"jit(apply)": 39, "jit(step)": 1},
+                                 "name_s": {"jit(apply)": 20.0, "jit(step)": 0.2}}])
     _write(tmp_path, "sub-42", [{"of": "tests/x.py::t@g", "command": "python b.py", "compile_s": 9.0,
                                  "programs": 10, "peak_rss_mib": 300}])
     run = tool.read(tmp_path)
@@ -56,10 +58,14 @@ def test_a_subprocess_compiles_count_in_the_test_that_started_it(tmp_path, capsy
     x = next(t for t in run["tests"] if t["test"] == "tests/x.py::t@g")
     assert (x["compile_s"], x["programs"], x["sub_compile_s"], x["sub_programs"]) == (40.0, 52, 39.0, 50)
     assert tool.by_file(run["tests"])[0] == ["tests/x.py", 1, 60.0, 40.0, 52]
+    # programs per name, the subprocess's added (sub-42 was recorded without names: older runs)
+    assert x["names"] == {"jit(apply)": 40, "jit(add)": 1, "jit(step)": 1}
+    assert tool.by_name(run["tests"]) == [["jit(apply)", 40, 20.5, 1], ["jit(step)", 1, 0.2, 1],
+                                          ["jit(add)", 1, 0.1, 1]]
     tool.main([str(tmp_path)])
     text = capsys.readouterr().out
     assert "2 subprocesses started by tests" in text and "compiling 0.7 min, 50 programs" in text
-    assert "largest 900 MiB (python a.py)" in text
+    assert "largest 900 MiB (python a.py)" in text and "| jit(apply) | 40 | 20.5 | 1 |" in text
 
 
 def test_a_subprocess_records_its_programs_under_the_running_test(tmp_path):
@@ -73,7 +79,8 @@ def test_a_subprocess_records_its_programs_under_the_running_test(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     (record,) = [json.loads(line) for f in tmp_path.glob("sub-*.jsonl") for line in f.read_text().splitlines()]
     assert record["of"] == "tests/z.py::w" and record["programs"] >= 1 and record["compile_s"] > 0
-    assert record["peak_rss_mib"] > 0
+    assert record["peak_rss_mib"] > 0 and record["names"].get("jit(<lambda>)") == 1
+    assert record["name_s"]["jit(<lambda>)"] > 0
     # without a running test (a script started by hand) nothing is written
     subprocess.run([sys.executable, "-c", code], env={k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"},
                    check=True, timeout=300)

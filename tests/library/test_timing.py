@@ -51,6 +51,25 @@ def test_the_compile_meter_splits_the_first_call_from_the_second():
     meter.start()
     jax.block_until_ready(fn(x))  # compiled already: nothing is counted
     assert meter.read()["compile_s"] == 0 and meter.read()["cache_misses"] == 0 and meter.read()["programs"] == 0
+    assert meter.programs_by_name() == {} and meter.backend_s_by_name() == {}
+
+
+def test_the_compile_meter_names_the_programs_it_counts():
+    """A jitted function's program carries its name; an eager operation builds one per primitive and
+    shape (what makes an eager forward over many shapes slow to start)."""
+    jax.clear_caches()  # eager operations this process ran before would not compile again
+    meter = CompileMeter()
+
+    def twice_sin(a):
+        return 2.0 * jnp.sin(a)
+    jax.block_until_ready(jax.jit(twice_sin)(jnp.ones(7)))
+    jax.block_until_ready(jnp.cos(jnp.ones(9)) + jnp.ones(9))  # eager: cos and add, once each
+    jax.block_until_ready(jnp.cos(jnp.ones(9)) + jnp.ones(9))  # the same shapes: nothing new
+    names = meter.programs_by_name()
+    assert names.get("jit(twice_sin)") == 1 and names.get("jit(cos)") == 1 and names.get("jit(add)") == 1
+    assert sum(names.values()) == meter.read()["programs"]
+    seconds = meter.backend_s_by_name()
+    assert set(seconds) == set(names) and sum(seconds.values()) == pytest.approx(meter.read()["backend_s"])
 
 
 def test_first_and_second_call_refuses_a_non_callable():

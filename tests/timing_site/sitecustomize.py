@@ -5,7 +5,7 @@ tests/conftest.py puts this folder on ``PYTHONPATH`` only then, so Python import
 start of each subprocess (an experiment's quick run, a notebook's kernel). When a test started it, the
 module listens for JAX's compile events (``linicl.timing.CompileMeter``) and at exit writes one JSON
 line to ``$LINICL_TEST_TIMES/sub-<pid>.jsonl``: the test (``_running_test``), the command, compile
-seconds, programs built and peak resident memory. ``tools/test_times.py`` adds them to that test's
+seconds, programs built (and per name) and peak resident memory. ``tools/test_times.py`` adds them to that test's
 own. A Python without linicl (the torch reference worker) is left alone.
 """
 
@@ -45,7 +45,8 @@ def _start(folder: str, test: str) -> None:
     def write() -> None:
         c = meter.read()
         record = {"of": test.rsplit(" (", 1)[0], "command": " ".join(sys.argv[:2]),
-                  "compile_s": c["compile_s"], "programs": c["programs"],
+                  "compile_s": c["compile_s"], "programs": c["programs"], "names": meter.programs_by_name(),
+                  "name_s": meter.backend_s_by_name(),
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         try:
             with open(os.path.join(folder, f"sub-{os.getpid()}.jsonl"), "a") as f:
