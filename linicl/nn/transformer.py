@@ -25,9 +25,15 @@ precision (bitwise in the tests' unoptimised build and for SmolLM2 in float32; X
 body differently from an unrolled chain and round differently, as any recompilation may: 1e-16
 relative in float64, 5e-7 in float32 measured on a tiny model). A call falls back to the loop, with
 identical results, whenever a scan could not run every block exactly as the loop does
-(``_scan_plan``): while initialising, when any collection is mutable (decoding, capturing sites,
-converting a prompt), when the scanned blocks hold interventions, and when the layers left to run
-(from ``first_layer``) hold fewer than two periods.
+(``_scan_plan``): while initialising, and when the layers left to run (from ``first_layer``) hold
+fewer than two periods of equal configs and equal variables (structure, shapes, dtypes), edits
+included: edits of the same kind at the same sites of every layer scan (their values stacked), an
+edit in some layers only makes the model loop.
+
+Mutable collections scan too (decoding's cache, captured sites, ``iclca.convert``'s prompt states):
+each step returns its blocks' updated collections, stacked along the scan, and they are written
+back under each layer's own path, as the loop writes them. (An edit that fails its own checks inside
+a scanned block names the site without the ``layers_{l}`` part of its path.)
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from flax.core.scope import is_filter_empty
 from linicl._validate import check_fits, check_tokens, take_rows
 from linicl.config import ModelConfig
 from linicl.errors import LiniclError
-from linicl.names import DECODE, INTERVENTIONS, POSITION, layer_scope
+from linicl.names import DECODE, POSITION, layer_scope
 from linicl.nn.attention import advancing
 from linicl.nn.block import Block
 from linicl.nn.norms import make_norm
@@ -169,40 +175,50 @@ class Transformer(nn.Module):
 
     def _scan_plan(self, first_layer: int) -> Optional[Tuple[int, int]]:
         """``(period, n_periods)`` of the blocks to scan, or None to loop over all of them: when
-        ``scan`` is off, while initialising (the loop creates the variables), when any collection is
-        mutable (a scanned block could not write its cache, captured sites or state back to its own
-        path), when the blocks hold interventions (edits are per layer and may differ in structure),
-        and when the layers from ``first_layer`` on hold fewer than two periods of equal configs and
-        variable shapes (``period_of``)."""
+        ``scan`` is off, while initialising (the loop creates the variables), and when the layers from
+        ``first_layer`` on hold fewer than two periods of equal configs and variables, edits included
+        (``period_of`` over ``_signature``)."""
         if not isinstance(self.scan, bool):
             raise LiniclError(f"Transformer: scan must be a bool, got {self.scan!r}")
-        if not self.scan or self.is_initializing() or not is_filter_empty(self.scope.mutable):
+        if not self.scan or self.is_initializing():
             return None
         variables = self.variables
         layers = range(first_layer, self.cfg.n_layers)
-        edits = variables.get(INTERVENTIONS, {})
-        if any(layer_scope(layer) in edits for layer in layers):
-            return None
         period = period_of([_signature(self.cfg, variables, layer) for layer in layers])
         return None if period is None else (period, len(layers) // period)
 
     def _scanned(self, x: jax.Array, positions: jax.Array, layers: range, period: int) -> jax.Array:
         """The blocks of ``layers`` (whole periods) by ``jax.lax.scan``: step k applies blocks
         ``layers[k * period + j]``, j < period, each with its config and its own variables (stacked:
-        leaf ``[n_periods, ...]`` per position j in the period). ``remat`` checkpoints the step."""
+        leaf ``[n_periods, ...]`` per position j in the period). ``remat`` checkpoints the step. With
+        mutable collections each block's updated ones come out of the step, stacked the same way, and
+        are written back under the block's own path (``layers_{l}``), as the loop leaves them."""
         variables = self.variables
+        mutable = self.scope.mutable
+        writes = not is_filter_empty(mutable)
         cfgs = [self.cfg.layer_config(layer) for layer in layers[:period]]
         stacked = tuple(_stack([_layer_variables(variables, layer) for layer in layers[j::period]])
                         for j in range(period))
 
         def step(h, per_layer):
+            updated = []
             for layer_cfg, own in zip(cfgs, per_layer):
-                h = Block(layer_cfg, parent=None).apply(own, h, positions)
-            return h, None
+                block = Block(layer_cfg, parent=None)
+                if writes:
+                    h, new = block.apply(own, h, positions, mutable=mutable)
+                    updated.append(new)
+                else:
+                    h = block.apply(own, h, positions)
+            return h, tuple(updated)
 
         if self.remat:
             step = jax.checkpoint(step, prevent_cse=False)  # scan already keeps steps apart
-        return jax.lax.scan(step, x, stacked)[0]
+        x, updated = jax.lax.scan(step, x, stacked)
+        for j, new in enumerate(updated):
+            for k, layer in enumerate(layers[j::period]):
+                for col, tree in new.items():
+                    self.put_variable(col, layer_scope(layer), jax.tree.map(lambda a: a[k], tree))
+        return x
 
     def _inputs(self, embed, tokens, embeds) -> jax.Array:
         cfg = self.cfg

@@ -106,27 +106,57 @@ def test_first_layer_scans_what_is_left_and_loops_when_too_little_is():
         assert _extra_scans(model, variables, embeds=h, first_layer=first) == scans
 
 
-def test_fallbacks_capture_edit_and_decode_as_the_loop():
-    """Mutable collections (captured sites, the decode cache) and interventions in a block run the
-    loop: the same activations, edited logits and cached decoding as ``scan=False``. Edits outside the
-    blocks (``hook_embed``) are applied by the model itself, so it still scans, exactly."""
+def test_captured_sites_and_the_decode_cache_scan_as_the_loop_writes_them():
+    """Mutable collections scan: captured sites and the decode cache (a prefill, then a decoded
+    token from that cache) equal the loop's, under the same paths; the forwards do scan."""
     cfg = CONFIGS["llama"]
     model, variables = init(cfg, 9)
     scanned = model.clone(scan=True)
     x = tokens(10, 2, 6, cfg.vocab_size)
     name = "blocks.1.hook_resid_post"
-    assert rel_err(capture(scanned, variables, x, names=[name])[1][name],
-                   capture(model, variables, x, names=[name])[1][name]) <= EXACT_RTOL
-    edited = with_edits(variables, [zero("blocks.0.hook_mlp_out")], cfg)
-    assert rel_err(apply(scanned, edited, x), apply(model, edited, x)) <= EXACT_RTOL
-    assert rel_err(apply(model, edited, x), apply(model, variables, x)) >= BASELINE_MIN
-    assert _extra_scans(model, edited, x) == [] and _extra_scans(model, variables, x) == [2]
-    outside = with_edits(variables, [scale("hook_embed", 2.0)], cfg)  # not in a block: still scanned
-    assert rel_err(apply(scanned, outside, x), apply(model, outside, x)) <= EXACT_RTOL
-    assert _extra_scans(model, outside, x) == [2]
+    (_, ours), (_, loops) = capture(scanned, variables, x), capture(model, variables, x)
+    assert sorted(ours) == sorted(loops)
+    assert rel_err(ours[name], loops[name]) <= EXACT_RTOL
+    assert _extra_scans(model, variables, x, mutable=["intermediates"]) == [2]
     step = lambda m: jax.jit(lambda v, t: m.apply(v, t, mutable=[DECODE]))  # noqa: E731
     (a, sa), (b, sb) = step(model)(variables, x), step(scanned)(variables, x)
+    assert jax.tree.structure(sb) == jax.tree.structure(sa)
     assert rel_err(b, a) <= EXACT_RTOL and rel_err(_flat(sb), _flat(sa)) <= EXACT_RTOL
+    nxt = tokens(11, 2, 1, cfg.vocab_size)
+    (a, sa), (b, sb) = step(model)({**variables, **sa}, nxt), step(scanned)({**variables, **sb}, nxt)
+    assert rel_err(b, a) <= EXACT_RTOL and rel_err(_flat(sb), _flat(sa)) <= EXACT_RTOL
+    assert rel_err(a, apply(model, variables, nxt)[:, -1:]) >= BASELINE_MIN  # the cache matters
+    assert _extra_scans(model, variables, x, mutable=[DECODE]) == [2]
+
+
+def test_a_prompt_converts_scanned_as_looped():
+    """``iclca.convert`` writes each layer's prompt state (a mutable collection) from the scan: the
+    same states, and the same answers to a query, as the loop."""
+    cfg = CONFIGS["short_conv"]
+    model, variables = init(cfg, 12)
+    prompt, q = tokens(13, 1, 7, cfg.vocab_size), tokens(14, 2, 4, cfg.vocab_size)
+    ours, loops = iclca.convert(model.clone(scan=True), variables, prompt), iclca.convert(model, variables, prompt)
+    assert jax.tree.structure(ours) == jax.tree.structure(loops)
+    assert rel_err(_flat(ours["prompt_state"]), _flat(loops["prompt_state"])) <= EXACT_RTOL
+    assert rel_err(apply(model, ours, q), apply(model, loops, q)) <= EXACT_RTOL
+    assert rel_err(apply(model, variables, q), apply(model, loops, q)) >= BASELINE_MIN
+
+
+def test_edits_scan_when_every_layer_has_the_same_kind_and_loop_otherwise():
+    """Edits of one kind at one site of every layer are stacked and scanned; an edit in some layers
+    only makes the model loop; edits outside the blocks (``hook_embed``) are applied by the model
+    itself. Every case gives the loop's logits, and the edits change them (power)."""
+    cfg = CONFIGS["llama"]
+    model, variables = init(cfg, 9)
+    scanned = model.clone(scan=True)
+    x = tokens(10, 2, 6, cfg.vocab_size)
+    every = with_edits(variables, [scale(f"blocks.{l}.hook_mlp_out", 0.5 + l) for l in range(cfg.n_layers)], cfg)
+    some = with_edits(variables, [zero("blocks.0.hook_mlp_out")], cfg)
+    outside = with_edits(variables, [scale("hook_embed", 2.0)], cfg)
+    for edited, scans in ((every, [2]), (some, []), (outside, [2])):
+        assert rel_err(apply(scanned, edited, x), apply(model, edited, x)) <= EXACT_RTOL
+        assert rel_err(apply(model, edited, x), apply(model, variables, x)) >= BASELINE_MIN
+        assert _extra_scans(model, edited, x) == scans
 
 
 def test_remat_checkpoints_the_scanned_step():
