@@ -24,11 +24,11 @@ training step on a device, many shapes, deep models. Outputs and gradients are t
 precision (bitwise in the tests' unoptimised build and for SmolLM2 in float32; XLA may fuse a scanned
 body differently from an unrolled chain and round differently, as any recompilation may: 1e-16
 relative in float64, 5e-7 in float32 measured on a tiny model). A call falls back to the loop, with
-identical results, whenever a scan could not run every block exactly as the loop does
-(``_scan_plan``): while initialising, and when the layers left to run (from ``first_layer``) hold
-fewer than two periods of equal configs and equal variables (structure, shapes, dtypes), edits
-included: edits of the same kind at the same sites of every layer scan (their values stacked), an
-edit in some layers only makes the model loop.
+identical results, while initialising and for the layers that no scan can cover exactly
+(``_scan_plan``): runs of at least two periods of equal configs and equal variables (structure,
+shapes, dtypes), edits included, are scanned, from ``first_layer`` on, and the layers between them
+loop. Edits of the same kind at the same sites of every layer scan (their values stacked); an edit
+in one layer loops that layer and scans the runs before and after it (``scan_segments``).
 
 Mutable collections scan too (decoding's cache, captured sites, ``iclca.convert``'s prompt states):
 each step returns its blocks' updated collections, stacked along the scan, and they are written
@@ -38,7 +38,7 @@ a scanned block names the site without the ``layers_{l}`` part of its path.)
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -110,6 +110,30 @@ def period_of(signatures: Sequence) -> Optional[int]:
     return None
 
 
+def scan_segments(signatures: Sequence) -> list:
+    """The runs of layers to scan, ``[(start, period, n_periods)]`` in order, each at least two whole
+    periods of equal signatures; the layers between them loop. Taken greedily from the first layer:
+    at each layer the period whose run covers the most layers (the smaller period on a tie), else
+    that layer loops. ``llgllgl`` -> ``[(0, 3, 2)]``; ``aabaa`` (an edit in the middle layer) ->
+    ``[(0, 1, 2), (3, 1, 2)]``."""
+    n, out, i = len(signatures), [], 0
+    while i < n:
+        best = None  # (layers covered, period)
+        for p in range(1, (n - i) // 2 + 1):
+            j = i
+            while j + p < n and signatures[j] == signatures[j + p]:
+                j += 1
+            covered = (j - i + p) // p * p
+            if covered >= 2 * p and (best is None or covered > best[0]):
+                best = (covered, p)
+        if best is None:
+            i += 1
+        else:
+            out.append((i, best[1], best[0] // best[1]))
+            i += best[0]
+    return out
+
+
 def _stack(trees: Sequence) -> Any:
     """Equal-structured pytrees stacked leaf by leaf along a new leading axis."""
     return jax.tree.map(lambda *a: jnp.stack(a), *trees)
@@ -159,33 +183,33 @@ class Transformer(nn.Module):
         return nn.Dense(cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=dt, name="unembed")(x)
 
     def _blocks(self, x: jax.Array, positions: jax.Array, first_layer: int) -> jax.Array:
-        """Blocks ``first_layer`` .. ``n_layers - 1`` on ``x: f[batch, seq, d_model]``: the whole periods
-        scanned when ``scan`` allows it (``_scan_plan``), the rest one after the other."""
-        cfg = self.cfg
-        start = first_layer
-        plan = self._scan_plan(first_layer)
-        if plan is not None:
-            period, n_periods = plan
-            start = first_layer + period * n_periods
-            x = self._scanned(x, positions, range(first_layer, start), period)
+        """Blocks ``first_layer`` .. ``n_layers - 1`` on ``x: f[batch, seq, d_model]``: runs of whole
+        periods scanned when ``scan`` allows it (``_scan_plan``), the other layers one by one."""
+        layer = first_layer
+        for start, period, n_periods in self._scan_plan(first_layer):
+            x = self._looped(x, positions, range(layer, start))
+            layer = start + period * n_periods
+            x = self._scanned(x, positions, range(start, layer), period)
+        return self._looped(x, positions, range(layer, self.cfg.n_layers))
+
+    def _looped(self, x: jax.Array, positions: jax.Array, layers: range) -> jax.Array:
         block = nn.remat(Block) if self.remat else Block  # the same parameter paths either way
-        for layer in range(start, cfg.n_layers):  # a local layer runs its own (finite-state) config
-            x = block(cfg.layer_config(layer), name=layer_scope(layer))(x, positions)
+        for layer in layers:  # a local layer runs its own (finite-state) config
+            x = block(self.cfg.layer_config(layer), name=layer_scope(layer))(x, positions)
         return x
 
-    def _scan_plan(self, first_layer: int) -> Optional[Tuple[int, int]]:
-        """``(period, n_periods)`` of the blocks to scan, or None to loop over all of them: when
-        ``scan`` is off, while initialising (the loop creates the variables), and when the layers from
-        ``first_layer`` on hold fewer than two periods of equal configs and variables, edits included
-        (``period_of`` over ``_signature``)."""
+    def _scan_plan(self, first_layer: int) -> list:
+        """The runs ``[(start, period, n_periods)]`` of blocks to scan (``scan_segments`` over the
+        layers' ``_signature``: configs and variables, edits included), none when ``scan`` is off or
+        while initialising (the loop creates the variables)."""
         if not isinstance(self.scan, bool):
             raise LiniclError(f"Transformer: scan must be a bool, got {self.scan!r}")
         if not self.scan or self.is_initializing():
-            return None
+            return []
         variables = self.variables
         layers = range(first_layer, self.cfg.n_layers)
-        period = period_of([_signature(self.cfg, variables, layer) for layer in layers])
-        return None if period is None else (period, len(layers) // period)
+        runs = scan_segments([_signature(self.cfg, variables, layer) for layer in layers])
+        return [(first_layer + start, period, n) for start, period, n in runs]
 
     def _scanned(self, x: jax.Array, positions: jax.Array, layers: range, period: int) -> jax.Array:
         """The blocks of ``layers`` (whole periods) by ``jax.lax.scan``: step k applies blocks

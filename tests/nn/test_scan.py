@@ -15,7 +15,7 @@ from linicl import iclca
 from linicl.errors import LiniclError
 from linicl.interventions import capture, scale, with_edits, zero
 from linicl.names import DECODE
-from linicl.nn.transformer import period_of
+from linicl.nn.transformer import period_of, scan_segments
 from helpers import BASELINE_MIN, EXACT_RTOL, apply, init, rel_err, tokens
 
 _GEMMA = dict(vocab_size=23, d_model=16, n_heads=4, n_kv_heads=2, d_ff=24, max_len=64, positions="rope",
@@ -142,18 +142,18 @@ def test_a_prompt_converts_scanned_as_looped():
     assert rel_err(apply(model, variables, q), apply(model, loops, q)) >= BASELINE_MIN
 
 
-def test_edits_scan_when_every_layer_has_the_same_kind_and_loop_otherwise():
-    """Edits of one kind at one site of every layer are stacked and scanned; an edit in some layers
-    only makes the model loop; edits outside the blocks (``hook_embed``) are applied by the model
-    itself. Every case gives the loop's logits, and the edits change them (power)."""
-    cfg = CONFIGS["llama"]
+def test_edits_scan_when_every_layer_has_the_same_kind_and_split_the_scan_otherwise():
+    """Edits of one kind at one site of every layer are stacked and scanned; an edit in layer 0 of 3
+    loops that layer and scans the other two; edits outside the blocks (``hook_embed``) are applied
+    by the model itself. Every case gives the loop's logits, and the edits change them (power)."""
+    cfg = CONFIGS["llama"].replace(n_layers=3)
     model, variables = init(cfg, 9)
     scanned = model.clone(scan=True)
     x = tokens(10, 2, 6, cfg.vocab_size)
     every = with_edits(variables, [scale(f"blocks.{l}.hook_mlp_out", 0.5 + l) for l in range(cfg.n_layers)], cfg)
     some = with_edits(variables, [zero("blocks.0.hook_mlp_out")], cfg)
     outside = with_edits(variables, [scale("hook_embed", 2.0)], cfg)
-    for edited, scans in ((every, [2]), (some, []), (outside, [2])):
+    for edited, scans in ((every, [3]), (some, [2]), (outside, [3])):
         assert rel_err(apply(scanned, edited, x), apply(model, edited, x)) <= EXACT_RTOL
         assert rel_err(apply(model, edited, x), apply(model, variables, x)) >= BASELINE_MIN
         assert _extra_scans(model, edited, x) == scans
@@ -205,6 +205,29 @@ def test_period_of_finds_the_smallest_repeating_pattern():
     assert period_of("llgllgl") == 3  # a remainder of one layer
     assert period_of("llgll") is None  # fewer than two whole periods
     assert period_of("ab") == period_of("a") is None and period_of("") is None
+
+
+def test_scan_segments_scan_the_longest_runs_and_loop_between_them():
+    assert scan_segments("aaaa") == [(0, 1, 4)]
+    assert scan_segments("llgllgl") == [(0, 3, 2)]  # Gemma 3's pattern: the last layer loops
+    assert scan_segments("aabaa") == [(0, 1, 2), (3, 1, 2)]  # an edit in the middle layer
+    assert scan_segments("abaaa") == [(2, 1, 3)]
+    assert scan_segments("ab") == scan_segments("abc") == []
+
+
+def test_an_edit_in_one_middle_layer_scans_the_runs_around_it():
+    """Five layers with an edit in layer 2: layers 0-1 and 3-4 scan, layer 2 loops; the loop's
+    logits, with and without a decode cache."""
+    cfg = CONFIGS["llama"].replace(n_layers=5)
+    model, variables = init(cfg, 15)
+    x = tokens(16, 2, 5, cfg.vocab_size)
+    edited = with_edits(variables, [scale("blocks.2.hook_resid_post", 3.0)], cfg)
+    assert rel_err(apply(model.clone(scan=True), edited, x), apply(model, edited, x)) <= EXACT_RTOL
+    assert rel_err(apply(model, edited, x), apply(model, variables, x)) >= BASELINE_MIN
+    assert _extra_scans(model, edited, x) == [2, 2]
+    step = lambda m: jax.jit(lambda v, t: m.apply(v, t, mutable=[DECODE]))  # noqa: E731
+    (a, sa), (b, sb) = step(model)(edited, x), step(model.clone(scan=True))(edited, x)
+    assert rel_err(b, a) <= EXACT_RTOL and rel_err(_flat(sb), _flat(sa)) <= EXACT_RTOL
 
 
 def test_scan_must_be_a_bool():
