@@ -33,7 +33,10 @@ in one layer loops that layer and scans the runs before and after it (``scan_seg
 Mutable collections scan too (decoding's cache, captured sites, ``iclca.convert``'s prompt states):
 each step returns its blocks' updated collections, stacked along the scan, and they are written
 back under each layer's own path, as the loop writes them. (An edit that fails its own checks inside
-a scanned block names the site without the ``layers_{l}`` part of its path.)
+a scanned block names the site without the ``layers_{l}`` part of its path.) Decoding stacks the
+parameters and the cache again at every step: ``linicl.generate`` on SmolLM2 (20 tokens after 12,
+2 CPU cores, no compilation cache) took 8.5 s scanned against 14.8-16.8 s looped on its first call,
+and 2.0 s against 0.8-1.0 s on the next.
 """
 
 from __future__ import annotations
