@@ -368,10 +368,11 @@ EXPERIMENTS = {
         note="'+ learned terms': convert_approx(kernel='learned', maps=the shipped student maps, keep=...): the "
              "tokens a head does not keep go into the student's kernel terms (its linear state on the teacher's "
              "keys and values), the budget counting them; beside the student itself and the equal-state window. "
-             "Under way (carried in experiments/state): softmax 28/28, the student 0/28 and its equal-state window "
-             "(301 tokens) 3/28 finished; on the first 6 selection prompts reconstruction answers 6/6 at 10 and "
-             "25 % with the dropped tokens dropped, and 0/6 at 25 % with them as the student's kernel terms (at "
-             "10 % the budget cannot hold the terms): their mass swamps the kept entries.",
+             "Measured on all 28 prompts: softmax 28/28, the student 0/28, its equal-state window (301 tokens) "
+             "3/28. With the dropped tokens dropped, reconstruction answers 28/28 at 10 and 25 % of the KV floats "
+             "(snapkv 1/28, recent 2/28 and 5/28). With them as the student's kernel terms every score answers "
+             "0/28 at 25 % (at 10 % the budget cannot hold the terms): the terms' mass swamps the kept entries, "
+             "so the student gains nothing from a selection it cannot hold apart from its linear state.",
         reference="LoLCATs (arXiv 2410.10254) and LoLA (arXiv 2505.23666): a linear state with exact tokens "
                   "beside it (linearization.md)."),
     "long_context_selection_loss": dict(
