@@ -103,14 +103,20 @@ def _signature(cfg: ModelConfig, variables: Mapping[str, Any], layer: int):
         (jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(own))
 
 
+def _periodic_span(signatures: Sequence, start: int, p: int) -> int:
+    """How many signatures from ``start`` on repeat with period ``p`` (``signatures[j] ==
+    signatures[j + p]`` throughout), counting the first period itself."""
+    j = start
+    while j + p < len(signatures) and signatures[j] == signatures[j + p]:
+        j += 1
+    return j - start + p
+
+
 def period_of(signatures: Sequence) -> Optional[int]:
     """The smallest ``p`` with ``signatures[i] == signatures[i + p]`` for every i, when the sequence
     holds at least two whole periods; else None (nothing to scan)."""
     n = len(signatures)
-    for p in range(1, n // 2 + 1):
-        if all(signatures[i] == signatures[i + p] for i in range(n - p)):
-            return p
-    return None
+    return next((p for p in range(1, n // 2 + 1) if _periodic_span(signatures, 0, p) == n), None)
 
 
 def scan_segments(signatures: Sequence) -> list:
@@ -123,10 +129,7 @@ def scan_segments(signatures: Sequence) -> list:
     while i < n:
         best = None  # (layers covered, period)
         for p in range(1, (n - i) // 2 + 1):
-            j = i
-            while j + p < n and signatures[j] == signatures[j + p]:
-                j += 1
-            covered = (j - i + p) // p * p
+            covered = _periodic_span(signatures, i, p) // p * p
             if covered >= 2 * p and (best is None or covered > best[0]):
                 best = (covered, p)
         if best is None:
